@@ -1,0 +1,430 @@
+"""LoCo: error-compensated low-bit gradient communication, as an optax transformation.
+
+``optax.chain(loco.compress(bits=4), optax.adamw(3e-4))`` under ``jax.shard_map``
+averages gradients over ``axis_name`` with ``bits``-bit payloads. Per worker,
+at step ``t`` (the first ``update`` is ``t = 1``), with stored error ``e``
+(zero at start)::
+
+    if t % reset_every == 0:  e = 0                      # all buffers at once
+    h     = g + e                                        # compensate
+    c     = Q_b(h)                                       # compress; c is what crosses the network
+    e_new = beta * e + (1 - beta) * (h - DQ(c))          # moving average of compression errors
+    e     = Q_8(e_new)                                   # stored in 8 bits, one scale per block
+
+and the optimizer receives the mean over workers of ``DQ(c)``, computed by
+the two-stage quantized all-reduce of :mod:`loco_jax.collectives` (all-to-all,
+fp32 sum, re-quantize, all-gather). ``beta = 0`` is plain error feedback
+(Seide et al. 2014); ``compensate=False`` is naive low-bit communication;
+``bits=None`` is the exact fp32 mean (the baseline). With
+``compensate_second_stage=True`` the re-quantization of the reduced chunk is
+compensated the same way with a second buffer on that chunk (as LoCo's
+DeepSpeed code does).
+
+Residuals, sums and state are fp32 whatever the gradient dtype. Defaults
+follow the authors' reference code: 4 bits, beta 0.8, int8 error, reset every
+1024 steps (all buffers at once, where the reference rolls a per-tensor
+counter).
+
+Non-finite gradients (ALGORITHMS.md): a NaN or Inf on any device must not
+reach the error buffers and every device must decide alike, so one finite
+flag is reduced over every mesh axis (a scalar ``pmin``). When it is false the
+step is skipped everywhere: the state is unchanged except ``skipped``, which
+counts such steps, and the updates are zeros (``nonfinite="skip"``) or NaN
+(``nonfinite="propagate"``, to let a caller or ``optax.apply_if_finite``
+act). To skip the *whole* chain (no Adam moment decay on a skipped step),
+wrap it: ``loco.skip_nonfinite(optax.chain(loco.compress(), optax.adamw(...)))``.
+
+FSDP (``reduce="scatter"``): the input is full-shape local gradients (taken
+with respect to the gathered parameters), the output is each leaf's dim-0
+shard of the mean (``tiled``), so the next transformations see shard-shaped
+updates for shard-shaped parameters. ``init`` receives the shard-shaped
+parameters and allocates the full-size error buffer. Only the all-to-all
+stage runs. The full gradient is still held during the step: this is ZeRO-2
+memory, not full FSDP.
+
+The shard_map recipe: see the README. In short, ``init`` and ``update`` run
+inside ``shard_map``; with ``check_vma=True`` cast replicated parameters to
+varying over the data axes before ``jax.grad`` (``jax.lax.pcast(p, axes,
+to="varying")``), else JAX inserts an exact fp32 psum of the gradient and
+there is nothing left to compress (``update`` detects this and raises).
+:func:`state_specs` gives the ``PartitionSpec`` of every state leaf.
+
+Reference: Xie et al., "LoCo: Low-Bit Communication Adaptor for Large-scale
+Model Training", arXiv 2407.04480 (TPAMI 2025), Algorithm 1; ALGORITHMS.md
+section 3.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import collectives as coll
+from loco_jax import quant
+
+REDUCE_MODES = ("mean", "scatter")
+NONFINITE_MODES = ("skip", "propagate")
+
+
+class CompressState(NamedTuple):
+    """State of :func:`compress`; one entry of the error tuples per bucket.
+
+    ``error[i]``: stored stage-1 error of bucket ``i``, ``(M, cols)``, ``uint8``
+    codes when ``error_bits`` is set (with fp32 block scales in
+    ``error_scale[i]``) or fp32. ``error2`` / ``error2_scale``: the
+    second-stage error on this device's reduced chunk, ``(1, cols)``. All
+    error buffers differ per device.
+    """
+
+    count: jax.Array  # int32 []: completed steps (t - 1 inside update)
+    skipped: jax.Array  # int32 []: steps skipped for non-finite gradients
+    key: jax.Array  # uint32 [2]: stochastic-rounding key, advanced every step
+    error: tuple = ()
+    error_scale: tuple = ()
+    error2: tuple = ()
+    error2_scale: tuple = ()
+
+
+class SkipNonfiniteState(NamedTuple):
+    inner: Any
+    skipped: jax.Array  # int32 []
+
+
+def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce, mode, nonfinite, bucket_size):
+    if bits is not None:
+        quant.validate(bits, block_size, format)
+    elif format not in quant.FORMATS:
+        raise ValueError(f"format={format!r} is unknown; choose one of {quant.FORMATS}.")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise ValueError(f"block_size={block_size!r} must be a positive integer (a multiple of 8, e.g. 256).")
+    if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
+        raise ValueError(f"beta={beta!r} must lie in [0, 1) (0 is plain error feedback; the paper uses 0.8).")
+    if reset_every is not None and (not isinstance(reset_every, int) or reset_every <= 0):
+        raise ValueError(f"reset_every={reset_every!r} must be a positive integer number of steps, or None.")
+    if error_bits is not None:
+        if isinstance(error_bits, bool) or error_bits not in quant.BITS:
+            raise ValueError(f"error_bits={error_bits!r} is not supported; choose one of {quant.BITS} or None (fp32).")
+    if reduce not in REDUCE_MODES:
+        raise ValueError(f"reduce={reduce!r} is unknown; choose one of {REDUCE_MODES}.")
+    if mode not in coll.MODES:
+        raise ValueError(f"mode={mode!r} is unknown; choose one of {coll.MODES}.")
+    if reduce == "scatter" and mode != "two_stage":
+        raise ValueError("reduce='scatter' runs only the all-to-all stage; it needs mode='two_stage'.")
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose one of {NONFINITE_MODES}.")
+    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
+        raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of values, or None (one bucket).")
+
+
+def group_leaves(sizes, bucket_size):
+    """Consecutive leaves in buckets of at most ``bucket_size`` values (a bigger leaf is alone)."""
+    if bucket_size is None:
+        return [list(range(len(sizes)))] if sizes else []
+    groups, current, used = [], [], 0
+    for i, size in enumerate(sizes):
+        if current and used + size > bucket_size:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += size
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _store(e, error_bits, block_size):
+    """fp32 ``(rows, cols)`` error -> stored form ``(values, scales)``."""
+    if error_bits is None:
+        return e, None
+    rows, cols = e.shape
+    codes, scales = quant.quantize(e.reshape(rows, cols // block_size, block_size), error_bits)
+    return codes.reshape(rows, cols), scales
+
+
+def _load(values, scales, error_bits, block_size):
+    if error_bits is None:
+        return values
+    rows, cols = values.shape
+    blocks = values.reshape(rows, cols // block_size, block_size)
+    return quant.dequantize(blocks, scales, error_bits).reshape(rows, cols)
+
+
+def _all_finite(tree):
+    leaves = jax.tree.leaves(tree)
+    flag = jnp.array(True)
+    for leaf in leaves:
+        flag = flag & jnp.all(jnp.isfinite(leaf))
+    return flag
+
+
+def global_all_finite(tree):
+    """One boolean, identical on every device: all of ``tree`` is finite on all devices.
+
+    Reduced with a scalar ``pmin`` over every axis of the enclosing
+    ``shard_map`` (no collective outside one).
+    """
+    flag = _all_finite(tree).astype(jnp.int32)
+    axes = coll.manual_axes()
+    if axes:
+        flag = lax.pmin(coll.to_varying(flag, axes), axes)
+    return flag.astype(bool)
+
+
+def _select(ok, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def _check_grads_vary(leaves, axis_name):
+    """The silent-psum trap: under check_vma, gradients must vary over ``axis_name``."""
+    if axis_name is None or not coll.check_vma_enabled(axis_name):
+        return
+    for leaf in leaves:
+        if axis_name not in coll.varying_axes(leaf):
+            raise ValueError(
+                f"loco.compress: a gradient of shape {leaf.shape} is not varying over axis {axis_name!r}, so JAX "
+                "has already summed it in fp32 (the transpose of the implicit cast of replicated parameters "
+                "to varying) and there is nothing left to compress. Cast the parameters to varying before "
+                f"taking the gradient: jax.lax.pcast(params, {axis_name!r}, to='varying'), or run the "
+                "shard_map with check_vma=False. See the README's shard_map recipe."
+            )
+
+
+def compress(
+    bits: int | None = 4,
+    *,
+    beta: float = 0.8,
+    reset_every: int | None = 1024,
+    error_bits: int | None = 8,
+    block_size: int = quant.DEFAULT_BLOCK_SIZE,
+    format: str = "int",
+    axis_name: str | None = "data",
+    compensate: bool = True,
+    reduce: str = "mean",
+    mode: str = "two_stage",
+    compensate_second_stage: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    nonfinite: str = "skip",
+    bucket_size: int | None = None,
+) -> optax.GradientTransformation:
+    """LoCo: averages gradients over ``axis_name`` in ``bits`` bits, compensating the error.
+
+    Args:
+      bits: 8, 4, 2 or 1 bits per value on the wire (plus 32 / ``block_size``
+        for the scales); ``None`` is the exact fp32 mean.
+      beta: weight of the old error in the moving average, in [0, 1); 0 is
+        plain error feedback.
+      reset_every: zero every error buffer when ``t % reset_every == 0``
+        (``None``: never).
+      error_bits: bits of the stored error (block scales), ``None`` for fp32.
+      block_size: values per scale (a multiple of 8).
+      format: ``"int"`` or ``"e3m0"`` (4 bits only) for the gradient payload.
+      axis_name: mesh axis to average over; ``None`` compresses and
+        decompresses locally, with no communication.
+      compensate: ``False`` is naive low-bit communication (no error state).
+      reduce: ``"mean"`` (every device gets the full mean) or ``"scatter"``
+        (each device gets its dim-0 shard of the mean, FSDP).
+      mode: ``"two_stage"`` (all-to-all then all-gather) or ``"all_gather"``
+        (quantize once, gather every payload, sum locally).
+      compensate_second_stage: also compensate the re-quantization of the
+        reduced chunk (two-stage, reduce="mean").
+      stochastic_rounding: unbiased random rounding; the key is in the state,
+        folded with each device's index and advanced every step.
+      seed: seed of that key.
+      nonfinite: ``"skip"`` (zero updates) or ``"propagate"`` (NaN updates)
+        on a step whose gradients hold NaN or Inf anywhere; the state is left
+        unchanged either way.
+      bucket_size: at most this many values per bucket (whole leaves); ``None``
+        sends the whole tree as one bucket.
+
+    Returns:
+      An ``optax.GradientTransformation``; ``init`` and ``update`` run inside
+      ``shard_map`` when ``axis_name`` is set.
+    """
+    _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce, mode, nonfinite, bucket_size)
+    if compensate_second_stage and (bits is None or not compensate or mode != "two_stage" or reduce != "mean"):
+        raise ValueError(
+            "compensate_second_stage=True needs the two-stage all-reduce with compensation: "
+            "bits set, compensate=True, mode='two_stage' and reduce='mean'."
+        )
+    quantized = bits is not None
+    keep_error = quantized and compensate
+    cfg = coll.QuantConfig(bits or 8, block_size, format)
+    scatter = reduce == "scatter"
+
+    def _layout(leaves, m, shard_shaped):
+        """Per-bucket (indices, cols); shard-shaped leaves count as m times their size."""
+        sizes = [int(leaf.size) * (m if shard_shaped else 1) for leaf in leaves]
+        groups = group_leaves(sizes, bucket_size)
+        return [(g, coll.bucket_cols([sizes[i] for i in g], m, block_size, scatter=scatter)) for g in groups]
+
+    def init_fn(params):
+        if axis_name is not None:
+            coll.require_axis(axis_name, "loco.compress")
+        count = jnp.zeros((), jnp.int32)
+        key = jax.random.key_data(jax.random.PRNGKey(seed))
+        if not keep_error:
+            return CompressState(count, count, key)
+        m = coll.axis_size(axis_name)
+        leaves = jax.tree.leaves(params)
+        device_axes = coll.manual_axes()  # error buffers are per device
+
+        def zeros(shape):
+            return _store(coll.to_varying(jnp.zeros(shape, jnp.float32), device_axes), error_bits, block_size)
+
+        error, error_scale, error2, error2_scale = [], [], [], []
+        for _, cols in _layout(leaves, m, scatter):
+            values, scales = zeros((m, cols))
+            error.append(values)
+            error_scale.append(scales)
+            if compensate_second_stage:
+                values, scales = zeros((1, cols))
+                error2.append(values)
+                error2_scale.append(scales)
+        return CompressState(count, count, key, tuple(error), tuple(error_scale), tuple(error2), tuple(error2_scale))
+
+    def _exact(leaves, m):
+        out = []
+        for leaf in leaves:
+            g = leaf.astype(jnp.float32)
+            if axis_name is not None:
+                g = lax.psum_scatter(g, axis_name, scatter_dimension=0, tiled=True) / m if scatter else lax.pmean(g, axis_name)
+            out.append(g.astype(leaf.dtype))
+        return out
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves, treedef = jax.tree.flatten(updates)
+        for leaf in leaves:
+            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                raise ValueError(
+                    f"loco.compress needs floating-point gradients, got dtype {leaf.dtype} (shape {leaf.shape})."
+                )
+        if axis_name is not None:
+            coll.require_axis(axis_name, "loco.compress")
+            _check_grads_vary(leaves, axis_name)
+        m = coll.axis_size(axis_name)
+        t = state.count + 1
+        reset = jnp.array(False) if reset_every is None else (t % reset_every == 0)
+        step_key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        axes = () if axis_name is None else (axis_name,)
+
+        new = dict(error=[], error_scale=[], error2=[], error2_scale=[])
+        out_leaves = [None] * len(leaves)
+        if not quantized:
+            out_leaves = _exact(leaves, m)
+        for b, (group, _) in enumerate(_layout(leaves, m, False)):
+            if not quantized:
+                break
+            rows, bucket = coll.make_bucket([leaves[i] for i in group], m, block_size, scatter=scatter)
+            key1 = coll.device_key(step_key, axes, 2 * b) if stochastic_rounding else None
+            key2 = coll.device_key(step_key, axes, 2 * b + 1) if stochastic_rounding else None
+            if keep_error:
+                e = jnp.where(reset, 0.0, _load(state.error[b], state.error_scale[b], error_bits, block_size))
+                h = rows + e
+            else:
+                h = rows
+            if mode == "all_gather":
+                total, sent = coll.all_gather_sum(h, axis_name, cfg, key1)
+                mean_rows = total / m
+            else:
+                chunk, sent = coll.reduce_scatter_rows(h, axis_name, cfg, key1)
+                chunk = chunk / m
+            if keep_error:
+                values, scales = _store(beta * e + (1.0 - beta) * (h - sent), error_bits, block_size)
+                new["error"].append(values)
+                new["error_scale"].append(scales)
+            if scatter:
+                shard = coll.unbucket_shard(chunk, bucket)
+                for i, leaf in zip(group, jax.tree.leaves(shard)):
+                    out_leaves[i] = leaf
+                continue
+            if mode == "two_stage":
+                if compensate_second_stage:
+                    e2 = jnp.where(reset, 0.0, _load(state.error2[b], state.error2_scale[b], error_bits, block_size))
+                    h2 = chunk[None] + e2
+                    mean_rows, sent2 = coll.all_gather_chunk(h2[0], axis_name, cfg, key2)
+                    values, scales = _store(beta * e2 + (1.0 - beta) * (h2 - sent2[None]), error_bits, block_size)
+                    new["error2"].append(values)
+                    new["error2_scale"].append(scales)
+                else:
+                    mean_rows, _ = coll.all_gather_chunk(chunk, axis_name, cfg, key2)
+            for i, leaf in zip(group, jax.tree.leaves(coll.unbucket(mean_rows, bucket))):
+                out_leaves[i] = leaf
+
+        ok = global_all_finite((leaves, out_leaves))
+        fill = 0.0 if nonfinite == "skip" else jnp.nan
+        out_leaves = [jnp.where(ok, o, jnp.asarray(fill, o.dtype)) for o in out_leaves]
+        candidate = state._replace(
+            count=t,
+            key=jax.random.key_data(next_key),
+            **{k: tuple(v) for k, v in new.items() if v},
+        )
+        new_state = _select(ok, candidate, state)._replace(skipped=state.skipped + (~ok).astype(jnp.int32))
+        return jax.tree.unflatten(treedef, out_leaves), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Skips the whole ``inner`` step on every device when any gradient anywhere is non-finite.
+
+    Like ``optax.apply_if_finite``, but the decision is one flag reduced over
+    every mesh axis, so all devices skip together. On a skipped step the
+    updates are zeros and ``inner``'s state is unchanged; ``skipped`` counts.
+    """
+
+    def init_fn(params):
+        return SkipNonfiniteState(inner.init(params), jnp.zeros((), jnp.int32))
+
+    def update_fn(updates, state, params=None, **extra):
+        ok = global_all_finite(updates)
+        new_updates, new_inner = inner.update(updates, state.inner, params, **extra)
+        new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
+        new_inner = _select(ok, new_inner, state.inner)
+        return new_updates, SkipNonfiniteState(new_inner, state.skipped + (~ok).astype(jnp.int32))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------
+# PartitionSpecs of the state (for shard_map out_specs and checkpoints)
+
+
+def state_specs(state, device_axes, default=P()):
+    """``PartitionSpec`` of every leaf of an optax state that may contain :class:`CompressState`.
+
+    Error buffers differ per device: their dim 0 is split over
+    ``device_axes`` (e.g. ``("replica", "data")``, every axis of the mesh).
+    Counters and keys are identical everywhere: ``P()``. Every other leaf gets
+    ``default`` (a spec, or a function of the leaf returning one).
+    """
+    per_device = P(tuple(device_axes))
+
+    def spec(node):
+        if isinstance(node, CompressState):
+            errors = {k: jax.tree.map(lambda _: per_device, getattr(node, k)) for k in ("error", "error_scale", "error2", "error2_scale")}
+            return CompressState(P(), P(), P(), **errors)
+        return default(node) if callable(default) else default
+
+    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, CompressState))
+
+
+def abstract_state(tx: optax.GradientTransformation, params, mesh, in_specs=P()):
+    """Shapes of ``tx.init(params)`` as seen by one device inside ``shard_map`` (nothing allocated)."""
+    fn = jax.shard_map(tx.init, mesh=mesh, in_specs=(in_specs,), out_specs=P(), check_vma=False)
+    return jax.eval_shape(fn, params)
+
+
+def init_specs(tx: optax.GradientTransformation, params, mesh, *, in_specs=P(), device_axes=None, default=P()):
+    """``state_specs`` of ``tx.init(params)`` on ``mesh``: the ``out_specs`` for a shard_map'd init.
+
+    ``device_axes`` defaults to every axis of the mesh.
+    """
+    axes = tuple(mesh.axis_names) if device_axes is None else device_axes
+    return state_specs(abstract_state(tx, params, mesh, in_specs), axes, default)

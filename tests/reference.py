@@ -26,19 +26,29 @@ def quantize_dequantize(x, bits, block_size=256, fmt="int"):
     return out.reshape(-1)
 
 
-def loco_two_stage_step(g, e, bits, beta, block_size=256, error_bits=8, reset=False):
-    """One LoCo step on M devices with the two-stage all-reduce, in NumPy.
+def loco_step(g, e, bits, beta, *, block_size=256, error_bits=8, reset=False, mode="two_stage", e2=None):
+    """One LoCo step on M devices, in NumPy (ALGORITHMS.md sections 2-3).
 
-    g, e: (M, N) per-device gradients and stored errors, N a multiple of M * block_size.
-    Returns (mean every device receives (N,), new stored errors (M, N)).
+    g, e: (M, N) per-device gradients and stored errors, N a multiple of M * block_size;
+    row i of a device's (M, N / M) bucket is chunk i. e2: (M, N / M) second-stage errors
+    (device j's error on chunk j) or None for no second-stage compensation.
+    Returns (mean every device receives (N,), new stored errors (M, N), new e2 or None).
     """
     m, n = g.shape
+    store = (lambda v: quantize_dequantize(v, error_bits, block_size)) if error_bits else (lambda v: v)
     if reset:
         e = np.zeros_like(e)
+        e2 = None if e2 is None else np.zeros_like(e2)
     h = g + e
     sent = np.stack([quantize_dequantize(h[i], bits, block_size) for i in range(m)])
-    e_new = beta * e + (1 - beta) * (h - sent)
-    e_store = np.stack([quantize_dequantize(e_new[i], error_bits, block_size) for i in range(m)]) if error_bits else e_new
+    e_new = np.stack([store(beta * e[i] + (1 - beta) * (h[i] - sent[i])) for i in range(m)])
+    if mode == "all_gather":
+        return sent.sum(axis=0) / m, e_new, None
     chunks = sent.reshape(m, m, n // m).sum(axis=0) / m  # chunk j = mean over devices of row j
+    if e2 is not None:
+        h2 = chunks + e2
+        sent2 = np.stack([quantize_dequantize(h2[j], bits, block_size) for j in range(m)])
+        e2 = np.stack([store(beta * e2[j] + (1 - beta) * (h2[j] - sent2[j])) for j in range(m)])
+        return sent2.reshape(-1), e_new, e2
     full = np.concatenate([quantize_dequantize(chunks[j], bits, block_size) for j in range(m)])
-    return full, e_store
+    return full, e_new, None

@@ -1,0 +1,324 @@
+"""loco.compress against NumPy re-derivations, exact collectives and plain optax (8 CPU devices)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import hlo, loco, quant
+from tests import reference
+from tests.helpers import gaussian, put, rel_err
+
+M = 8
+
+
+def _runner(mesh, tx, params):
+    """Jitted shard_map'd init and update of ``tx`` on an 8-way data mesh.
+
+    update takes per-device gradients stacked on dim 0 (global (8 * n0, ...)) and
+    returns every device's updates stacked the same way, and the new state.
+    """
+    specs = loco.init_specs(tx, params, mesh)
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+    def body(g, state):
+        u, state = tx.update(g, state)
+        return jax.tree.map(lambda x: x[None], u), state
+
+    update = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), specs), out_specs=(P("data"), specs)))
+    return init(params), update
+
+
+def _stored_error(state, error_bits=8, block=256):
+    """Dequantized stage-1 error per device: (8, M * cols)."""
+    codes = np.asarray(state.error[0]).reshape(M, M, -1)
+    scales = np.asarray(state.error_scale[0]).reshape(M, M, -1)
+    out = quant.dequantize(jnp.asarray(codes).reshape(M, M, -1, block), jnp.asarray(scales), error_bits)
+    return np.asarray(out).reshape(M, -1)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(bits=4),
+        dict(bits=2, beta=0.0),
+        dict(bits=4, format="e3m0"),
+        dict(bits=1, mode="all_gather"),
+        dict(bits=4, compensate_second_stage=True),
+    ],
+    ids=["4bit", "2bit-ef", "e3m0", "1bit-allgather", "4bit-2stage-comp"],
+)
+def test_error_update_and_reset_match_numpy(data_mesh, kwargs):
+    n = M * 256  # one block per chunk
+    kwargs = dict(kwargs, reset_every=3)
+    tx = loco.compress(**kwargs)
+    state, update = _runner(data_mesh, tx, {"w": jnp.zeros((n,))})
+    bits, beta, fmt = kwargs["bits"], kwargs.get("beta", 0.8), kwargs.get("format", "int")
+    mode = kwargs.get("mode", "two_stage")
+    e = np.zeros((M, n), np.float32)
+    e2 = np.zeros((M, n // M), np.float32) if kwargs.get("compensate_second_stage") else None
+    assert fmt in ("int", "e3m0")
+    for t in range(1, 6):
+        g = gaussian((M, n), seed=t)
+        out, state = update({"w": put(data_mesh, g.reshape(-1), P("data"))}, state)
+        want, e, e2 = reference.loco_step(g, e, bits, beta, reset=(t % 3 == 0), mode=mode, e2=e2) if fmt == "int" else \
+            _e3m0_step(g, e, beta, reset=(t % 3 == 0))
+        got = np.asarray(out["w"])
+        for d in range(M):
+            assert_quantized_close(got[d], want, f"output at step {t}, device {d}")
+        got_e = _stored_error(state)
+        assert_quantized_close(got_e, e, f"error after step {t}")
+        e = got_e  # carry JAX's state forward so that one rounding tie cannot snowball
+        assert int(state.count) == t
+    if e2 is not None:
+        codes = jnp.asarray(np.asarray(state.error2[0]).reshape(M, 1, -1, 256))
+        got_e2 = quant.dequantize(codes, jnp.asarray(state.error2_scale[0]).reshape(M, 1, -1), 8)
+        assert_quantized_close(np.asarray(got_e2).reshape(M, -1), e2, "second-stage error")
+
+
+def assert_quantized_close(got, want, what, block=256, max_frac=2e-3):
+    """Equal up to fp32 rounding, except that a value sitting on a rounding tie may land one level off.
+
+    fp32 sums in another order can move a value across a rounding boundary; such a flip moves it
+    by at most one quantization level (bounded here by the block's absmax) and must stay rare.
+    """
+    got, want = np.asarray(got).reshape(-1, block), np.asarray(want).reshape(-1, block)
+    close = np.isclose(got, want, rtol=1e-5, atol=1e-6)
+    level = np.abs(want).max(axis=1, keepdims=True)
+    assert np.all(np.abs(got - want) <= level * 1.001 + 1e-6), f"{what}: more than one level off"
+    assert (~close).mean() <= max_frac, f"{what}: {(~close).sum()} of {close.size} values differ"
+
+
+def _e3m0_step(g, e, beta, reset):
+    """LoCo with e3m0 payloads: the NumPy reference with the e3m0 quantizer."""
+    m, n = g.shape
+    if reset:
+        e = np.zeros_like(e)
+    h = g + e
+    q = lambda v: reference.quantize_dequantize(v, 4, fmt="e3m0")
+    sent = np.stack([q(h[i]) for i in range(m)])
+    e_new = np.stack([reference.quantize_dequantize(beta * e[i] + (1 - beta) * (h[i] - sent[i]), 8) for i in range(m)])
+    chunks = sent.reshape(m, m, n // m).sum(axis=0) / m
+    return np.concatenate([q(chunks[j]) for j in range(m)]), e_new, None
+
+
+def test_bits_none_is_the_exact_mean(data_mesh):
+    g = gaussian((M, 1000), seed=1)
+    state, update = _runner(data_mesh, loco.compress(bits=None), {"w": jnp.zeros((1000,))})
+    out, state = update({"w": put(data_mesh, g.reshape(-1), P("data"))}, state)
+    want = np.asarray(jax.jit(lambda x: x.mean(0))(g))
+    np.testing.assert_allclose(np.asarray(out["w"]), np.broadcast_to(want, (M, 1000)), rtol=1e-6, atol=1e-7)
+
+
+def test_axis_none_compresses_locally():
+    g = {"w": jnp.asarray(gaussian((512,), seed=2))}
+    tx = loco.compress(bits=4, axis_name=None, compensate=False)
+    out, _ = jax.jit(tx.update)(g, tx.init(g))
+    want = reference.quantize_dequantize(np.asarray(g["w"]), 4)
+    np.testing.assert_allclose(np.asarray(out["w"]), want, rtol=1e-6)
+
+
+def _constant_gradient_bias(mesh, **kwargs):
+    """Mean over 300 steps of the output for a constant per-device gradient, vs the exact mean."""
+    n = M * 256
+    g = gaussian((M, n), seed=5)
+    state, update = _runner(mesh, loco.compress(bits=2, reset_every=None, **kwargs), {"w": jnp.zeros((n,))})
+    gs = {"w": put(mesh, g.reshape(-1), P("data"))}
+    total = np.zeros(n)
+    steps = 300
+    for _ in range(steps):
+        out, state = update(gs, state)
+        total += np.asarray(out["w"])[0]
+    return np.abs(total / steps - g.mean(0)).mean()
+
+
+def test_error_feedback_removes_the_bias_of_naive_quantization(data_mesh):
+    naive = _constant_gradient_bias(data_mesh, compensate=False)
+    ef = _constant_gradient_bias(data_mesh, beta=0.0, error_bits=None, compensate_second_stage=True)
+    assert ef <= naive / 10, (ef, naive)
+
+
+def _least_squares(mesh, tx, steps=150):
+    """Linear regression split over 8 devices (each device has its own rows); returns the final loss."""
+    rng = np.random.RandomState(0)
+    d_in, d_out = 64, 32
+    w_true = rng.randn(d_in, d_out).astype(np.float32)
+    x = rng.randn(M * 64, d_in).astype(np.float32)
+    y = x @ w_true + 0.01 * rng.randn(M * 64, d_out).astype(np.float32)
+    params = {"w": jnp.zeros((d_in, d_out)), "b": jnp.zeros((d_out,))}
+    specs = loco.init_specs(tx, params, mesh)
+
+    def step(params, state, x, y):
+        p = lax.pcast(params, "data", to="varying")  # the README recipe: no hidden fp32 psum
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2))(p)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")), out_specs=(P(), specs)))
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    xs, ys = put(mesh, x, P("data")), put(mesh, y, P("data"))
+    for _ in range(steps):
+        params, state = jax.block_until_ready(step(params, state, xs, ys))
+    return float(np.mean((x @ np.asarray(params["w"]) + np.asarray(params["b"]) - y) ** 2))
+
+
+# Adam at lr 0.01 for 150 steps is still descending (full precision reaches ~5 of 64), so the
+# losses compare optimisation speed, where compression error shows, not a converged noise floor.
+LR = 0.01
+
+
+@pytest.fixture(scope="module")
+def full_precision_loss(data_mesh):
+    return _least_squares(data_mesh, optax.chain(loco.compress(bits=None), optax.adam(LR)))
+
+
+def test_least_squares_4bit_matches_full_precision(data_mesh, full_precision_loss):
+    loss = _least_squares(data_mesh, optax.chain(loco.compress(bits=4), optax.adam(LR)))
+    initial = 64.0  # E|y|^2 per output with w = 0
+    assert full_precision_loss < 0.15 * initial
+    assert abs(loss - full_precision_loss) < 0.05 * full_precision_loss, (loss, full_precision_loss)
+
+
+def test_least_squares_1bit_loco_beats_naive(data_mesh, full_precision_loss):
+    naive = _least_squares(data_mesh, optax.chain(loco.compress(bits=1, compensate=False), optax.adam(LR)))
+    with_loco = _least_squares(data_mesh, optax.chain(loco.compress(bits=1), optax.adam(LR)))
+    # LoCo recovers at least three quarters of what naive 1-bit loses
+    assert with_loco - full_precision_loss < (naive - full_precision_loss) / 4, (with_loco, naive, full_precision_loss)
+
+
+@pytest.mark.parametrize("inner", [optax.sgd(0.1, momentum=0.9), optax.adamw(1e-3, weight_decay=0.1)], ids=["sgd", "adamw"])
+def test_composes_with_optax_without_retracing(data_mesh, inner):
+    chex.clear_trace_counter()
+    params = put(data_mesh, {"w": jnp.zeros((64, 8)), "b": jnp.zeros((8,))}, P())
+    tx = optax.chain(loco.compress(bits=4), inner)
+    specs = loco.init_specs(tx, params, data_mesh)
+
+    def apply(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(params, state, g):
+        return jax.shard_map(apply, mesh=data_mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))(params, state, g)
+
+    state = jax.jit(jax.shard_map(tx.init, mesh=data_mesh, in_specs=P(), out_specs=specs))(params)
+    g = {"w": put(data_mesh, gaussian((M * 64, 8)), P("data")), "b": put(data_mesh, gaussian((M * 8,)), P("data"))}
+    for _ in range(3):
+        params, state = jax.block_until_ready(step(params, state, g))
+    assert np.all(np.isfinite(np.asarray(params["w"]))) and np.any(np.asarray(params["w"]) != 0)
+    assert int(state[0].count) == 3
+
+
+def _train_step_hlo(mesh, *, pcast=True, check_vma=True, bits=4):
+    tx = optax.chain(loco.compress(bits=bits), optax.adam(1e-3))
+    params = {"w1": jnp.zeros((256, 256)), "w2": jnp.zeros((256, 64))}
+    specs = loco.init_specs(tx, params, mesh)
+
+    def step(params, state, x):
+        p = lax.pcast(params, "data", to="varying") if pcast else params
+        loss = lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+        updates, state = tx.update(jax.grad(loss)(p), state, params)
+        return optax.apply_updates(params, updates), state
+
+    f = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs), check_vma=check_vma)
+    )
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs, check_vma=check_vma))(params)
+    x = put(mesh, gaussian((M * 4, 256)), P("data"))
+    return hlo.collective_bytes(f.lower(params, state, x).compile())
+
+
+def test_train_step_has_no_gradient_sized_fp32_all_reduce(data_mesh):
+    report = _train_step_hlo(data_mesh)
+    n_params = 256 * 256 + 256 * 64
+    big_float = [op for op in report.ops if op.dtype != "u8" and op.bytes_per_device > 1024]
+    assert not big_float, report.table()
+    payload = sum(op.total_bytes for op in report.ops if op.dtype == "u8")
+    assert 0 < payload <= 0.14 * 2 * 7 / 8 * n_params * 4 * 1.05, report.table()
+    # the fp32 baseline of the same step moves the full gradient
+    fp32 = _train_step_hlo(data_mesh, bits=None)
+    assert fp32.total >= 2 * 7 / 8 * n_params * 4
+
+
+def test_missing_pcast_is_detected(data_mesh):
+    with pytest.raises(ValueError, match="pcast"):
+        _train_step_hlo(data_mesh, pcast=False)
+
+
+def test_check_vma_false_needs_no_pcast(data_mesh):
+    report = _train_step_hlo(data_mesh, pcast=False, check_vma=False)
+    assert not [op for op in report.ops if op.dtype != "u8" and op.bytes_per_device > 1024], report.table()
+
+
+def _nan_step_runner(mesh, tx, params):
+    specs = loco.init_specs(tx, params, mesh)
+
+    def body(params, g, state):
+        updates, state = tx.update(g, state, params)
+        return jax.tree.map(lambda x: x[None], optax.apply_updates(params, updates)), state
+
+    update = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), specs), out_specs=(P("data"), specs)))
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    g = gaussian((M, M * 256), seed=7)
+    _, state = update(params, {"w": put(mesh, g.reshape(-1), P("data"))}, state)  # one good step first
+    g[3, 11] = np.nan  # device 3 only
+    new_params, after = update(params, {"w": put(mesh, g.reshape(-1), P("data"))}, state)
+    return jax.tree.map(np.asarray, state), np.asarray(new_params["w"]), jax.tree.map(np.asarray, after)
+
+
+def test_nan_on_one_device_skips_the_step_everywhere(data_mesh):
+    params = {"w": jnp.zeros((M * 256,))}
+    before, new_params, after = _nan_step_runner(data_mesh, loco.compress(bits=4), params)
+    np.testing.assert_array_equal(new_params, 0.0)  # zero updates on every device
+    assert int(after.skipped) == 1 and int(after.count) == int(before.count) == 1
+    chex.assert_trees_all_equal(after._replace(skipped=before.skipped), before)  # nothing else moved
+
+
+def test_skip_nonfinite_skips_the_whole_chain(data_mesh):
+    params = {"w": jnp.zeros((M * 256,))}
+    tx = loco.skip_nonfinite(optax.chain(loco.compress(bits=4), optax.adam(0.1)))
+    before, new_params, after = _nan_step_runner(data_mesh, tx, params)
+    np.testing.assert_array_equal(new_params, 0.0)
+    assert int(after.skipped) == 1
+    chex.assert_trees_all_equal(after.inner, before.inner)  # LoCo error and Adam moments untouched
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(bits=3), "bits=3"),
+        (dict(bits=0), "bits=0"),
+        (dict(bits=16), "bits=16"),
+        (dict(block_size=0), "block_size=0"),
+        (dict(block_size=-8), "block_size=-8"),
+        (dict(beta=1.0), "beta=1.0"),
+        (dict(beta=-0.1), "beta=-0.1"),
+        (dict(format="nf4"), "format='nf4'"),
+        (dict(bits=8, format="e3m0"), "e3m0"),
+        (dict(reduce="sum"), "reduce='sum'"),
+        (dict(mode="ring"), "mode='ring'"),
+        (dict(error_bits=3), "error_bits=3"),
+        (dict(reset_every=0), "reset_every=0"),
+        (dict(nonfinite="ignore"), "nonfinite='ignore'"),
+        (dict(reduce="scatter", mode="all_gather"), "two_stage"),
+        (dict(compensate=False, compensate_second_stage=True), "compensate_second_stage"),
+    ],
+)
+def test_bad_arguments_raise_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        loco.compress(**kwargs)
+
+
+def test_bad_inputs_raise_at_trace_time(data_mesh):
+    tx = loco.compress(bits=4)
+    with pytest.raises(ValueError, match="not bound"):
+        tx.init({"w": jnp.zeros(4)})
+    with pytest.raises(ValueError, match="floating-point"):
+        jax.jit(jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=data_mesh, in_specs=P("data"), out_specs=P("data")))(
+            {"w": put(data_mesh, np.zeros(8, np.int32), P("data"))}
+        )

@@ -322,3 +322,50 @@ def test_bad_inputs_raise_at_trace_time(data_mesh):
         jax.jit(jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=data_mesh, in_specs=P("data"), out_specs=P("data")))(
             {"w": put(data_mesh, np.zeros(8, np.int32), P("data"))}
         )
+
+
+def _fsdp_step(mesh, tx, params, x):
+    """One FSDP step: shards are gathered, full local gradients taken, updates come back shard-shaped."""
+    specs = loco.init_specs(tx, params, mesh, in_specs=P("data"))
+
+    def step(shards, state, x):
+        full = jax.tree.map(lambda s: lax.all_gather(s, "data", tiled=True), shards)
+        grads = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"]))(full)
+        updates, state = tx.update(grads, state, shards)
+        return updates, state
+
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("data"), out_specs=specs))
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs, P("data")), out_specs=(P("data"), specs)))
+    state = init(params)
+    return f(params, state, x), state
+
+
+def test_reduce_scatter_follows_the_fsdp_contract(data_mesh):
+    params = put(data_mesh, {"w1": jnp.asarray(gaussian((64, 32), 1)) * 0.1, "w2": jnp.asarray(gaussian((32, 8), 2))}, P("data"))
+    x = put(data_mesh, gaussian((M * 16, 64), 3), P("data"))
+    (exact, _), _ = _fsdp_step(data_mesh, loco.compress(bits=None, reduce="scatter"), params, x)
+    (got, state), state0 = _fsdp_step(data_mesh, loco.compress(bits=8, reduce="scatter"), params, x)
+    # global views: dim-0 shards of every leaf put back together, same shapes as the parameters
+    assert jax.tree.map(jnp.shape, got) == jax.tree.map(jnp.shape, params)
+    # the exact scatter is the mean of the full gradients
+    full_grads = []
+    for d in range(M):
+        xd = np.asarray(x)[d * 16:(d + 1) * 16]
+        full_grads.append(jax.grad(lambda p: jnp.mean(jnp.tanh(xd @ p["w1"]) @ p["w2"]))(jax.tree.map(np.asarray, params)))
+    mean = jax.tree.map(lambda *g: np.mean(np.stack(g), 0), *full_grads)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, exact), mean, rtol=1e-5, atol=1e-6)
+    for k in mean:
+        assert rel_err(got[k], mean[k]) < 0.02, k
+    # init saw shard-shaped parameters and allocated the full-size error: (M, cols) per device
+    n_full = 64 * 32 + 32 * 8
+    per_device_error = np.asarray(state0.error[0]).shape[0] // M * np.asarray(state0.error[0]).shape[1]
+    assert per_device_error >= n_full
+    assert np.any(np.asarray(state.error[0]) != np.asarray(state0.error[0])), "the error buffer was updated"
+
+
+def test_reduce_scatter_needs_divisible_leaves(data_mesh):
+    tx = loco.compress(bits=4, reduce="scatter")
+    g = put(data_mesh, np.zeros((M * 6, 4), np.float32), P("data"))
+    f = jax.shard_map(lambda g: tx.update({"w": g}, tx.init({"w": g[:1]}))[0]["w"], mesh=data_mesh, in_specs=P("data"), out_specs=P("data"))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        jax.jit(f)(g)

@@ -1,0 +1,27 @@
+"""The README's recipe runs as written, and its two commands are what CI runs."""
+
+import pathlib
+import re
+
+import numpy as np
+
+from loco_jax import hlo
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_recipe_runs_and_sends_only_uint8_gradient_payloads():
+    code = re.findall(r"```python\n(.*?)```", README, re.S)[0]
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert np.isfinite(float(scope["loss"]))
+    report = hlo.collective_bytes(scope["step"].lower(scope["params"], scope["opt_state"], scope["x"], scope["y"]).compile())
+    gradient_sized = [op for op in report.ops if op.bytes_per_device > 1024]
+    assert gradient_sized and all(op.dtype == "u8" for op in gradient_sized), report.table()
+
+
+def test_ci_runs_the_readme_test_command():
+    commands = [line.strip() for line in README.splitlines() if line.startswith("    python3 -m venv")]
+    assert len(commands) == 2, commands
+    assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()

@@ -131,6 +131,22 @@ def _round_up(n, multiple):
     return -(-n // multiple) * multiple
 
 
+def group_leaves(sizes, bucket_size):
+    """Consecutive leaves in buckets of at most ``bucket_size`` values (a bigger leaf is alone)."""
+    if bucket_size is None:
+        return [list(range(len(sizes)))] if sizes else []
+    groups, current, used = [], [], 0
+    for i, size in enumerate(sizes):
+        if current and used + size > bucket_size:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += size
+    if current:
+        groups.append(current)
+    return groups
+
+
 def bucket_cols(sizes, rows, block_size, *, scatter=False, pad_multiple=1) -> int:
     """Columns of the ``(rows, cols)`` bucket that holds leaves of these sizes."""
     unit = block_size * pad_multiple
@@ -281,6 +297,7 @@ def quantized_psum(
     fast_axis=None,
     mode: str = "two_stage",
     key=None,
+    bucket_size: int | None = None,
 ):
     """Sum of ``x`` (an array or pytree) over ``axis_name``, sent as ``bits``-bit payloads.
 
@@ -289,10 +306,23 @@ def quantized_psum(
     exactly, with only a 1/D shard crossing ``axis_name`` (hierarchical form).
     ``mode``: ``"two_stage"`` (all-to-all + all-gather, two quantizations) or
     ``"all_gather"`` (one quantization, ``M``-fold gather). ``key``: stochastic
-    rounding, folded with each device's index.
+    rounding, folded with each device's index. ``bucket_size``: at most this
+    many values per bucket (whole leaves; ``None``: the whole tree in one
+    bucket, so one set of collectives however many leaves).
     """
     _validate(bits, block_size, format, mode)
     require_axis(axis_name, "quantized_psum")
+    leaves, treedef = jax.tree.flatten(x)
+    groups = group_leaves([int(math.prod(leaf.shape)) for leaf in leaves], bucket_size)
+    if len(groups) > 1:
+        out = [None] * len(leaves)
+        for b, group in enumerate(groups):
+            sub_key = None if key is None else jax.random.fold_in(key, 1000 + b)
+            summed = quantized_psum([leaves[i] for i in group], axis_name, bits=bits, block_size=block_size,
+                                    format=format, fast_axis=fast_axis, mode=mode, key=sub_key)
+            for i, leaf in zip(group, summed):
+                out[i] = leaf
+        return jax.tree.unflatten(treedef, out)
     cfg = QuantConfig(bits, block_size, format)
     m = axis_size(axis_name)
     if fast_axis is None:

@@ -121,22 +121,6 @@ def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce,
         raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of values, or None (one bucket).")
 
 
-def group_leaves(sizes, bucket_size):
-    """Consecutive leaves in buckets of at most ``bucket_size`` values (a bigger leaf is alone)."""
-    if bucket_size is None:
-        return [list(range(len(sizes)))] if sizes else []
-    groups, current, used = [], [], 0
-    for i, size in enumerate(sizes):
-        if current and used + size > bucket_size:
-            groups.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += size
-    if current:
-        groups.append(current)
-    return groups
-
-
 def _store(e, error_bits, block_size):
     """fp32 ``(rows, cols)`` error -> stored form ``(values, scales)``."""
     if error_bits is None:
@@ -260,7 +244,7 @@ def compress(
     def _layout(leaves, m, shard_shaped):
         """Per-bucket (indices, cols); shard-shaped leaves count as m times their size."""
         sizes = [int(leaf.size) * (m if shard_shaped else 1) for leaf in leaves]
-        groups = group_leaves(sizes, bucket_size)
+        groups = coll.group_leaves(sizes, bucket_size)
         return [(g, coll.bucket_cols([sizes[i] for i in g], m, block_size, scatter=scatter)) for g in groups]
 
     def init_fn(params):

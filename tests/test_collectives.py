@@ -166,3 +166,25 @@ def test_bad_input_raises(mesh, grads):
         per_device(mesh, lambda v: collectives.quantized_psum(v[0].astype(jnp.int32), "data"), gs, in_specs=P(DEVICES))
     with pytest.raises(ValueError, match="multiple of 4"):
         per_device(mesh, lambda v: collectives.quantized_psum_scatter(v[0][:6], "data"), gs, in_specs=P(DEVICES))
+
+
+def test_a_pytree_goes_through_one_bucket_or_a_few_bounded_ones(mesh, grads):
+    g, _ = grads
+    tree = {f"leaf{i}": g[:, 300 * i: 300 * (i + 1)] for i in range(10)}  # 10 leaves of 300 values
+    specs = jax.tree.map(lambda _: P(DEVICES), tree)
+    tree_s = jax.tree.map(lambda x, s: put(mesh, x, s), tree, specs)
+
+    def compiled(bucket_size):
+        fn = lambda t: jax.tree.map(lambda o: o[None], collectives.quantized_psum(
+            jax.tree.map(lambda x: x[0], t), "data", bits=8, bucket_size=bucket_size))
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=specs))
+        return f, hlo.collective_bytes(f.lower(tree_s).compile())
+
+    f, one = compiled(None)
+    assert sum(op.count for op in one.ops) == 2  # one all-to-all and one all-gather for all 10 leaves
+    f3, few = compiled(1000)  # at most 1000 values: buckets of 3, 3, 3 and 1 leaves
+    assert sum(op.count for op in few.ops) == 2 * 4
+    a, b = f(tree_s), f3(tree_s)
+    for k in tree:
+        exact = tree[k].reshape(2, 4, -1).sum(1)
+        assert rel_err(np.asarray(a[k])[::4], exact) < 0.02 and rel_err(np.asarray(b[k])[::4], exact) < 0.02

@@ -51,53 +51,8 @@ from loco_jax import quant
 MODES = ("two_stage", "all_gather")
 
 
-# --------------------------------------------------------------------------
-# Varying-manual-axes helpers (check_vma bookkeeping)
-
-
-def varying_axes(x) -> frozenset:
-    """Mesh axes over which ``x`` is typed as varying (empty under check_vma=False)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def manual_axes() -> tuple:
-    """The mesh axes bound by the enclosing ``shard_map`` (empty outside one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        return ()
-    return tuple(getattr(mesh, "manual_axes", ()))
-
-
-def check_vma_enabled(axis_name) -> bool:
-    """Whether the enclosing ``shard_map`` tracks varying axes (``check_vma=True``)."""
-    return axis_name in varying_axes(lax.axis_index(axis_name))
-
-
-def require_axis(axis_name, who: str):
-    """Raises a ``ValueError`` saying how to fix an unbound mesh axis."""
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    for name in names:
-        try:
-            lax.axis_index(name)
-        except NameError:
-            raise ValueError(
-                f"{who}: axis_name={name!r} is not bound. Call it inside jax.shard_map over a mesh that has "
-                f"an axis named {name!r}" + (" (or pass axis_name=None to compress locally)." if who.startswith("loco") else ".")
-            ) from None
-
-
-def to_varying(x, axes):
-    """``pcast`` ``x`` to varying over ``axes`` (only those it does not already vary over)."""
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    if not missing:
-        return x
-    if not check_vma_enabled(missing[0]):
-        return x
-    return lax.pcast(x, missing, to="varying")
+# Re-exported for the sibling modules that used to find them here.
+from loco_jax.specs import check_vma_enabled, manual_axes, require_axis, to_varying, varying_axes  # noqa: E402,F401
 
 
 def axis_size(axis_name) -> int:

@@ -65,7 +65,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import collectives as coll
-from loco_jax import quant
+from loco_jax import quant, specs
 
 REDUCE_MODES = ("mean", "scatter")
 NONFINITE_MODES = ("skip", "propagate")
@@ -380,35 +380,13 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 # PartitionSpecs of the state (for shard_map out_specs and checkpoints)
 
 
-def state_specs(state, device_axes, default=P()):
-    """``PartitionSpec`` of every leaf of an optax state that may contain :class:`CompressState`.
+def state_specs(tx: optax.GradientTransformation, params, mesh, in_specs=P()):
+    """``PartitionSpec`` of every leaf of ``tx.init(params)`` run inside ``shard_map`` on ``mesh``.
 
-    Error buffers differ per device: their dim 0 is split over
-    ``device_axes`` (e.g. ``("replica", "data")``, every axis of the mesh).
-    Counters and keys are identical everywhere: ``P()``. Every other leaf gets
-    ``default`` (a spec, or a function of the leaf returning one).
+    Error buffers are per device (split on dim 0 over every mesh axis);
+    counters, keys and the state of an optimizer on replicated parameters are
+    ``P()``. ``in_specs`` is how ``params`` enter the ``shard_map`` (e.g.
+    ``P("data")`` for FSDP shards). Works for any chain that holds
+    :func:`compress`; see :mod:`loco_jax.specs`.
     """
-    per_device = P(tuple(device_axes))
-
-    def spec(node):
-        if isinstance(node, CompressState):
-            errors = {k: jax.tree.map(lambda _: per_device, getattr(node, k)) for k in ("error", "error_scale", "error2", "error2_scale")}
-            return CompressState(P(), P(), P(), **errors)
-        return default(node) if callable(default) else default
-
-    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, CompressState))
-
-
-def abstract_state(tx: optax.GradientTransformation, params, mesh, in_specs=P()):
-    """Shapes of ``tx.init(params)`` as seen by one device inside ``shard_map`` (nothing allocated)."""
-    fn = jax.shard_map(tx.init, mesh=mesh, in_specs=(in_specs,), out_specs=P(), check_vma=False)
-    return jax.eval_shape(fn, params)
-
-
-def init_specs(tx: optax.GradientTransformation, params, mesh, *, in_specs=P(), device_axes=None, default=P()):
-    """``state_specs`` of ``tx.init(params)`` on ``mesh``: the ``out_specs`` for a shard_map'd init.
-
-    ``device_axes`` defaults to every axis of the mesh.
-    """
-    axes = tuple(mesh.axis_names) if device_axes is None else device_axes
-    return state_specs(abstract_state(tx, params, mesh, in_specs), axes, default)
+    return specs.output_specs(tx.init, params, mesh=mesh, in_specs=(in_specs,))

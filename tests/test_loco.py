@@ -22,7 +22,7 @@ def _runner(mesh, tx, params):
     update takes per-device gradients stacked on dim 0 (global (8 * n0, ...)) and
     returns every device's updates stacked the same way, and the new state.
     """
-    specs = loco.init_specs(tx, params, mesh)
+    specs = loco.state_specs(tx, params, mesh)
     init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
 
     def body(g, state):
@@ -165,7 +165,7 @@ def _least_squares(mesh, tx, steps=150):
     x = rng.randn(M * 64, d_in).astype(np.float32)
     y = x @ w_true + 0.01 * rng.randn(M * 64, d_out).astype(np.float32)
     params = {"w": jnp.zeros((d_in, d_out)), "b": jnp.zeros((d_out,))}
-    specs = loco.init_specs(tx, params, mesh)
+    specs = loco.state_specs(tx, params, mesh)
 
     def step(params, state, x, y):
         p = lax.pcast(params, "data", to="varying")  # the README recipe: no hidden fp32 psum
@@ -210,7 +210,7 @@ def test_composes_with_optax_without_retracing(data_mesh, inner):
     chex.clear_trace_counter()
     params = put(data_mesh, {"w": jnp.zeros((64, 8)), "b": jnp.zeros((8,))}, P())
     tx = optax.chain(loco.compress(bits=4), inner)
-    specs = loco.init_specs(tx, params, data_mesh)
+    specs = loco.state_specs(tx, params, data_mesh)
 
     def apply(p, s, g):
         updates, s = tx.update(g, s, p)
@@ -232,7 +232,7 @@ def test_composes_with_optax_without_retracing(data_mesh, inner):
 def _train_step_hlo(mesh, *, pcast=True, check_vma=True, bits=4):
     tx = optax.chain(loco.compress(bits=bits), optax.adam(1e-3))
     params = {"w1": jnp.zeros((256, 256)), "w2": jnp.zeros((256, 64))}
-    specs = loco.init_specs(tx, params, mesh)
+    specs = loco.state_specs(tx, params, mesh)
 
     def step(params, state, x):
         p = lax.pcast(params, "data", to="varying") if pcast else params
@@ -271,7 +271,7 @@ def test_check_vma_false_needs_no_pcast(data_mesh):
 
 
 def _nan_step_runner(mesh, tx, params):
-    specs = loco.init_specs(tx, params, mesh)
+    specs = loco.state_specs(tx, params, mesh)
 
     def body(params, g, state):
         updates, state = tx.update(g, state, params)
@@ -341,7 +341,7 @@ def test_bad_inputs_raise_at_trace_time(data_mesh):
 
 def _fsdp_step(mesh, tx, params, x):
     """One FSDP step: shards are gathered, full local gradients taken, updates come back shard-shaped."""
-    specs = loco.init_specs(tx, params, mesh, in_specs=P("data"))
+    specs = loco.state_specs(tx, params, mesh, in_specs=P("data"))
 
     def step(shards, state, x):
         full = jax.tree.map(lambda s: lax.all_gather(s, "data", tiled=True), shards)

@@ -114,7 +114,7 @@ def _block_of(path):
 
 
 def _shape(leaf) -> tuple[int, ...]:
-    return tuple(int(d) for d in np.shape(leaf)) if not hasattr(leaf, "shape") else tuple(int(d) for d in leaf.shape)
+    return tuple(int(d) for d in (leaf.shape if hasattr(leaf, "shape") else np.shape(leaf)))
 
 
 def _dtype(leaf):

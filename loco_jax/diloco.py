@@ -1,0 +1,436 @@
+"""DiLoCo and Streaming DiLoCo: an outer optimizer on the ``replica`` mesh axis.
+
+``M`` replicas on ``axis_name`` (default ``"replica"``) train alone with the
+inner optimizer and meet every ``H = sync_every`` steps, one *fragment* of the
+model at a time (:mod:`loco_jax.fragments`)::
+
+    after inner step t, fragment p is due when t >= H and (t - t_p) % H == 0,
+    t_p = floor(p * H / P)                             (p = 0 .. P-1, P <= H)
+
+    Delta_p   = theta_global_p - theta_p(t)            # outer gradient, this replica
+    Delta_p   = mean over replicas of Delta_p          # exchanged during steps t+1 .. t+tau
+    after step t + tau:
+      theta~_p       = OuterOpt_p(theta_global_p, Delta_p)
+      theta_p        = alpha * theta_p(t + tau) + (1 - alpha) * theta~_p
+      theta_global_p = theta~_p
+
+``P = 1, tau = 0, alpha = 0`` is vanilla DiLoCo (Douillard et al. 2023);
+``P > 1`` with overlap ``tau >= 1`` is Streaming DiLoCo (Douillard et al.
+2025, arXiv 2501.18512). Fragment 0 holds every leaf outside the transformer
+blocks; the blocks are strided over fragments 1..P-1. Each fragment has its
+own outer optimizer state (default SGD, lr 0.7, Nesterov momentum 0.9),
+initialised on its own sub-tree and stepped only when it syncs. The step
+count ``t`` counts completed inner steps; the first ``update`` is ``t = 1``.
+
+**Exchange.** All data devices of a replica hold the same parameters, so each
+takes its own 1/D slice of the fragment's flat outer gradient, only that
+slice crosses ``replica``, and the reduced slices are all-gathered over
+``data_axis`` inside the replica. ``bits=None`` is an exact fp32 mean; 8, 4
+(``int`` or ``e3m0``), 2 and 1 bits send packed ``uint8`` payloads and sum in
+fp32. The default ``mode="all_gather"`` quantizes once (each replica's own
+outer gradient, as the paper does): with the few replicas DiLoCo runs (2-8) it
+costs the same bytes as the two-stage form at M = 2 and at most
+(M-1)/(2(M-1)/M) = M/2 times more above, and it adds no second rounding.
+``compensate=True`` keeps a LoCo error buffer per fragment, carried from one
+sync of that fragment to the next (``e = beta e + (1 - beta)(h - DQ(Q(h)))``,
+``h = Delta + e``, stored in ``error_bits``): new in this project.
+
+**Overlap in SPMD.** A collective cannot outlive the compiled program that
+issued it, so "send at t, use at t + tau" is built from collectives whose
+operands do not depend on the step's gradients. With ``tau >= 1`` the
+snapshot ``theta_p(t)`` is exactly the ``params`` that step ``t + 1``
+receives, so the exchange is issued in step ``t + 1``'s program on
+``theta_global_p - params_p``: it has no data path from that step's forward
+and backward pass, and the latency-hiding scheduler may run it alongside.
+With ``tau = 1`` the result is applied at the end of the same program; with
+``tau >= 2`` it waits in the state (``inflight``) and is applied after step
+``t + tau``. ``tau = 0`` exchanges after the inner step of ``t`` itself (no
+overlap). At most one fragment is in flight (``tau < floor(H / P)``).
+
+Two ways to run it:
+
+- static (the trainer's): ``phase = tx.phase(t)`` in Python, then
+  ``tx.update(grads, state, params, phase=phase)`` builds only that phase's
+  collectives; compile one program per distinct phase (``tx.phases()``,
+  about P + 1) and pick it in the Python loop. Every collective is static and
+  free to overlap.
+- traced fallback (one-liners, tests): without ``phase``, a ``lax.switch`` on
+  the traced step picks the phase. Same numbers, but the collectives sit
+  inside control flow, which blocks XLA's latency-hiding scheduler: use it
+  where overlap does not matter.
+
+Non-finite values: one finite flag over the step's gradients and the
+exchanged outer gradient, reduced over every mesh axis; when false the whole
+step is skipped on every device (updates zero, state unchanged, ``skipped``
+incremented, ``step`` not advanced: pass ``phase(state.step + 1)`` next).
+
+State layout (:func:`state_specs`): the inner state and the local
+parameters differ per replica, global parameters and outer states are
+identical everywhere, error buffers and the in-flight slice differ per
+device.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import collectives as coll
+from loco_jax import fragments as frag
+from loco_jax import quant, specs
+from loco_jax.loco import global_all_finite
+
+MODES = coll.MODES
+
+
+class Phase(NamedTuple):
+    """What one step does besides the inner step.
+
+    ``send``: fragment whose outer gradient is exchanged in this step's
+    program (None: none). ``apply``: fragment whose merged value is applied
+    at the end of this step. With overlap 0 or 1 a syncing step has
+    ``send == apply``; with overlap >= 2 they fall on different steps.
+    """
+
+    send: int | None = None
+    apply: int | None = None
+
+
+class DiLoCoState(NamedTuple):
+    inner: Any  # inner optimizer state (per replica)
+    global_params: Any  # theta_global, identical on every device
+    outer: tuple  # one outer optimizer state per fragment
+    step: jax.Array  # int32 []: completed inner steps
+    skipped: jax.Array  # int32 []: steps skipped for non-finite values
+    inflight: jax.Array  # f32 [k_max]: reduced outer-gradient slice waiting to be applied (overlap >= 2)
+    error: tuple = ()  # per fragment: stored outer-gradient error of this device's slice (compensate=True)
+    error_scale: tuple = ()
+
+
+def schedule_offsets(sync_every, num_fragments):
+    """``t_p = floor(p * H / P)`` for every fragment."""
+    return tuple(p * sync_every // num_fragments for p in range(num_fragments))
+
+
+def due_fragment(step, *, sync_every, num_fragments):
+    """The fragment due after inner step ``step`` (a Python int), or None."""
+    if step < sync_every:
+        return None
+    for p, t_p in enumerate(schedule_offsets(sync_every, num_fragments)):
+        if (step - t_p) % sync_every == 0:
+            return p
+    return None
+
+
+def phase(step, *, sync_every, num_fragments=1, overlap=0):
+    """The :class:`Phase` of inner step ``step`` (1-based, a Python int)."""
+    due = functools.partial(due_fragment, sync_every=sync_every, num_fragments=num_fragments)
+    if overlap == 0:
+        p = due(step)
+        return Phase(p, p)
+    send = due(step - 1)
+    apply = due(step - overlap)
+    return Phase(send, apply)
+
+
+def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, beta, error_bits, block_size):
+    def positive_int(name, v):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive integer.")
+
+    positive_int("sync_every", sync_every)
+    positive_int("num_fragments", num_fragments)
+    if num_fragments > sync_every:
+        raise ValueError(
+            f"num_fragments={num_fragments} exceeds sync_every={sync_every}: each fragment needs its own step "
+            f"offset floor(p * H / P); use num_fragments <= {sync_every}."
+        )
+    limit = sync_every // num_fragments
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < limit:
+        raise ValueError(
+            f"overlap={overlap!r} must be an integer in [0, floor(H / P)) = [0, {limit}) so that at most one "
+            f"fragment is in flight (H={sync_every}, P={num_fragments})."
+        )
+    if not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha!r} must lie in [0, 1] (0 drops local steps taken meanwhile, 1 never merges).")
+    if bits is not None:
+        quant.validate(bits, block_size, format)
+    elif format not in quant.FORMATS:
+        raise ValueError(f"format={format!r} is unknown; choose one of {quant.FORMATS}.")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}.")
+    if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
+        raise ValueError(f"error_beta={beta!r} must lie in [0, 1).")
+    if error_bits is not None and (isinstance(error_bits, bool) or error_bits not in quant.BITS):
+        raise ValueError(f"error_bits={error_bits!r} is not supported; choose one of {quant.BITS} or None (fp32).")
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+class DiLoCo(optax.GradientTransformationExtraArgs):
+    """An ``optax.GradientTransformationExtraArgs`` with the schedule attached.
+
+    ``init(params)`` and ``update(grads, state, params, phase=None)`` run
+    inside ``shard_map``. Plain Python: ``phase(step)`` (the :class:`Phase` of
+    an inner step), ``phases()`` (every distinct phase: one compiled program
+    each) and ``plan(params)`` (the :class:`fragments.FragmentPlan`).
+    """
+
+
+def diloco(
+    inner: optax.GradientTransformation,
+    *,
+    sync_every: int,
+    outer: optax.GradientTransformation | None = None,
+    axis_name: str = "replica",
+    num_fragments: int = 1,
+    overlap: int = 0,
+    alpha: float = 0.0,
+    bits: int | None = None,
+    format: str = "int",
+    compensate: bool = False,
+    data_axis: str | None = "data",
+    mode: str = "all_gather",
+    block_size: int = quant.DEFAULT_BLOCK_SIZE,
+    error_beta: float = 0.8,
+    error_bits: int | None = 8,
+    strategy: str = "strided",
+    labels=None,
+) -> DiLoCo:
+    """(Streaming) DiLoCo around ``inner``; see the module docstring for the maths.
+
+    Args:
+      inner: the inner optimizer (e.g. ``optax.chain(loco.compress(...),
+        optax.adamw(...))``), run every step on each replica.
+      sync_every: H, inner steps between two syncs of a fragment.
+      outer: outer optimizer on the outer gradient ``theta_global -
+        theta_local``; ``None`` is SGD lr 0.7 with Nesterov momentum 0.9.
+      axis_name: the replica mesh axis.
+      num_fragments: P; 1 is vanilla DiLoCo.
+      overlap: tau, steps the exchange may take, in ``[0, floor(H / P))``.
+      alpha: weight of the local parameters when merging, in ``[0, 1]``.
+      bits: outer-gradient bits on the wire (8, 4, 2, 1) or None (fp32).
+      format: ``"int"`` or ``"e3m0"`` (4 bits, the paper's choice).
+      compensate: LoCo error feedback on the outer gradients, per fragment.
+      data_axis: mesh axis inside a replica whose devices hold identical
+        parameters; each sends a 1/D slice. ``None`` or unbound: no slicing.
+      mode: ``"all_gather"`` (default, one quantization) or ``"two_stage"``.
+      block_size, error_beta, error_bits: quantizer block and the error
+        buffer's moving-average weight and storage bits.
+      strategy, labels: how fragments are formed (:func:`fragments.plan`).
+    """
+    _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, error_beta, error_bits, block_size)
+    if outer is None:
+        outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    inner = optax.with_extra_args_support(inner)
+    cfg = coll.QuantConfig(bits or 8, block_size, format)
+    num_p = num_fragments
+
+    @functools.lru_cache(maxsize=8)
+    def _plan_for(treedef, shapes):
+        abstract = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in shapes])
+        return frag.plan(abstract, num_p, strategy=strategy, labels=labels)
+
+    def plan_of(params):
+        leaves, treedef = jax.tree.flatten(params)
+        return _plan_for(treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves))
+
+    def data_size():
+        if data_axis is None or data_axis not in coll.manual_axes():
+            return 1
+        return coll.axis_size(data_axis)
+
+    def slice_len(size, d, m):
+        """Values of one data device's slice of a fragment (a whole number of blocks per replica)."""
+        unit = block_size * (m if mode == "two_stage" else 1)
+        return max(_round_up(-(-size // d), unit), unit)
+
+    def _phase(step):
+        return phase(step, sync_every=sync_every, num_fragments=num_p, overlap=overlap)
+
+    def all_phases():
+        seen = []
+        for t in range(1, 2 * sync_every + overlap + 2):
+            ph = _phase(t)
+            if ph not in seen:
+                seen.append(ph)
+        return seen
+
+    # ------------------------------------------------------------------ init
+
+    def init_fn(params):
+        coll.require_axis(axis_name, "diloco")
+        plan = plan_of(params)
+        d, m = data_size(), coll.axis_size(axis_name)
+        global_params = jax.tree.map(lambda x: lax.pmean(x, axis_name), params)
+        outer_states = tuple(outer.init(plan.select(global_params, p)) for p in range(num_p))
+        k = [slice_len(s, d, m) for s in plan.fragment_sizes()]
+        device_axes = coll.manual_axes()
+        inflight = coll.to_varying(jnp.zeros((max(k),), jnp.float32), tuple(a for a in (data_axis,) if a in device_axes))
+        error, error_scale = (), ()
+        if compensate and bits is not None:
+            stored = [_store(coll.to_varying(jnp.zeros((1, kp), jnp.float32), device_axes)) for kp in k]
+            error, error_scale = tuple(s[0] for s in stored), tuple(s[1] for s in stored)
+        zero = jnp.zeros((), jnp.int32)
+        return DiLoCoState(inner.init(params), global_params, outer_states, zero, zero, inflight, error, error_scale)
+
+    def _store(e):
+        if error_bits is None:
+            return e, None
+        rows, cols = e.shape
+        codes, scales = quant.quantize(e.reshape(rows, cols // block_size, block_size), error_bits)
+        return codes.reshape(rows, cols), scales
+
+    def _load(values, scales):
+        if error_bits is None:
+            return values
+        rows, cols = values.shape
+        return quant.dequantize(values.reshape(rows, cols // block_size, block_size), scales, error_bits).reshape(rows, cols)
+
+    # -------------------------------------------------------------- exchange
+
+    def _my_slice(flat, k, d):
+        padded = jnp.pad(flat, (0, k * d - flat.shape[0]))
+        if d == 1:
+            return padded
+        return lax.dynamic_slice(padded, (lax.axis_index(data_axis) * k,), (k,))
+
+    def _gather_slices(mean_slice, size, d):
+        if d > 1:
+            mean_slice = lax.all_gather(mean_slice, data_axis, axis=0, tiled=True, to="invarying")
+        return mean_slice[:size]
+
+    def _exchange(slice_f32, p, state):
+        """Mean over replicas of this device's slice; returns (mean slice, new stored error or None)."""
+        m = coll.axis_size(axis_name)
+        if bits is None:
+            return lax.pmean(slice_f32, axis_name), None
+        e = _load(state.error[p], state.error_scale[p])[0] if compensate else 0.0
+        h = slice_f32 + e
+        if mode == "all_gather":
+            total, sent = coll.all_gather_sum(h[None], axis_name, cfg)
+            mean, sent = total[0] / m, sent[0]
+        else:
+            chunk, sent = coll.reduce_scatter_rows(h.reshape(m, -1), axis_name, cfg)
+            full, _ = coll.all_gather_chunk(chunk / m, axis_name, cfg)
+            mean, sent = full.reshape(-1), sent.reshape(-1)
+        if not compensate:
+            return mean, None
+        return mean, _store((error_beta * e + (1.0 - error_beta) * (h - sent))[None])
+
+    # ---------------------------------------------------------------- update
+
+    def _step(ph: Phase, grads, state, params, extra):
+        plan = plan_of(params)
+        d, m = data_size(), coll.axis_size(axis_name)
+        sizes = plan.fragment_sizes()
+        inner_updates, inner_state = inner.update(grads, state.inner, params, **extra)
+        local = optax.apply_updates(params, inner_updates)
+        global_params, outer_states = state.global_params, list(state.outer)
+        inflight, error, error_scale = state.inflight, list(state.error), list(state.error_scale)
+        exchanged = []  # values whose finiteness decides the step
+
+        mean_now = None
+        if ph.send is not None:
+            p = ph.send
+            k = slice_len(sizes[p], d, m)
+            snapshot = local if overlap == 0 else params  # params of step t+1 are theta(t)
+            delta = plan.extract(global_params, p) - plan.extract(snapshot, p)
+            mean_slice, stored = _exchange(_my_slice(delta, k, d), p, state)
+            exchanged.append(mean_slice)
+            if stored is not None:
+                error[p], error_scale[p] = stored
+            if ph.apply == p:
+                mean_now = mean_slice
+            else:
+                inflight = jnp.pad(mean_slice, (0, inflight.shape[0] - k))
+
+        if ph.apply is not None:
+            p = ph.apply
+            k = slice_len(sizes[p], d, m)
+            mean_slice = mean_now if mean_now is not None else inflight[:k]
+            mean_delta = _gather_slices(mean_slice, sizes[p], d)
+            global_pieces = plan.select(global_params, p)
+            delta_pieces = _split(mean_delta, global_pieces)
+            outer_updates, outer_states[p] = outer.update(delta_pieces, outer_states[p], global_pieces)
+            merged = optax.apply_updates(global_pieces, outer_updates)
+            merged_flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in merged])
+            global_params = plan.insert(global_params, p, merged_flat)
+            local_flat = plan.extract(local, p)
+            local = plan.insert(local, p, alpha * local_flat + (1.0 - alpha) * merged_flat)
+
+        ok = global_all_finite((grads, exchanged))
+        updates = jax.tree.map(lambda new, old: jnp.where(ok, new - old, jnp.zeros_like(old)), local, params)
+        candidate = DiLoCoState(
+            inner_state, global_params, tuple(outer_states), state.step + 1, state.skipped,
+            inflight, tuple(error), tuple(error_scale),
+        )
+        new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), candidate, state)
+        return updates, new_state._replace(skipped=state.skipped + (~ok).astype(jnp.int32))
+
+    def update_fn(grads, state, params=None, phase=None, **extra):
+        if params is None:
+            raise ValueError("diloco.update needs params: call tx.update(grads, state, params).")
+        coll.require_axis(axis_name, "diloco")
+        if phase is not None:
+            if not isinstance(phase, Phase):
+                raise ValueError(f"phase={phase!r} must be a diloco.Phase from tx.phase(step).")
+            return _step(phase, grads, state, params, extra)
+        phases = all_phases()
+        index = _traced_phase_index(state.step + 1, phases)
+        branches = [functools.partial(_step, ph, extra=extra) for ph in phases]
+        return lax.switch(index, branches, grads, state, params)
+
+    def _traced_phase_index(t, phases):
+        offsets = jnp.asarray(schedule_offsets(sync_every, num_p), jnp.int32)
+
+        def due(step):
+            hit = (step >= sync_every) & ((step - offsets) % sync_every == 0)
+            return jnp.where(jnp.any(hit), jnp.argmax(hit), -1)
+
+        send = due(t) if overlap == 0 else due(t - 1)
+        apply = due(t) if overlap == 0 else due(t - overlap)
+        index = jnp.int32(0)
+        for i, ph in enumerate(phases):
+            s = -1 if ph.send is None else ph.send
+            a = -1 if ph.apply is None else ph.apply
+            index = jnp.where((send == s) & (apply == a), i, index)
+        return index
+
+    tx = DiLoCo(init_fn, update_fn)
+    tx.phase, tx.phases, tx.plan = _phase, all_phases, plan_of
+    return tx
+
+
+def _split(flat, like):
+    """Pieces of ``flat`` shaped and typed like the arrays in ``like``."""
+    out, start = [], 0
+    for x in like:
+        n = math.prod(x.shape)
+        out.append(flat[start : start + n].reshape(x.shape).astype(x.dtype))
+        start += n
+    return out
+
+
+def global_params(state: DiLoCoState):
+    """The global parameters (identical on every replica): evaluate and export these."""
+    return state.global_params
+
+
+def state_specs(tx, params, mesh, in_specs=P("replica")):
+    """``PartitionSpec`` of every leaf of ``tx.init(params)`` on ``mesh``.
+
+    ``in_specs`` is how ``params`` enter the ``shard_map`` (default: split on
+    dim 0 over ``replica``, one block of local parameters per replica, the
+    layout :mod:`loco_jax.specs` describes).
+    """
+    return specs.output_specs(tx.init, params, mesh=mesh, in_specs=(in_specs,))

@@ -1,0 +1,430 @@
+"""DiLoCo / Streaming DiLoCo against exact references on the (replica, data) = (2, 4) mesh."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.extend import core as jex_core
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import collectives, diloco, hlo, loco
+from tests.helpers import DEVICES, put
+
+M, D = 2, 4
+N_LAYERS, WIDTH, D_IN, D_OUT = 2, 8, 4, 2
+BATCH = 8  # per device
+
+
+def make_params(seed=0, width=WIDTH):
+    rng = np.random.RandomState(seed)
+    w = lambda *s: jnp.asarray(rng.randn(*s) * 0.4, jnp.float32)
+    return {
+        "proj_in": {"kernel": w(D_IN, width)},
+        "layers": {i: {"w": w(width, width), "b": w(width)} for i in range(N_LAYERS)},
+        "head": {"kernel": w(width, D_OUT)},
+    }
+
+
+def loss_fn(p, x, y):
+    h = x @ p["proj_in"]["kernel"]
+    for i in range(N_LAYERS):
+        h = h + jnp.tanh(h @ p["layers"][i]["w"] + p["layers"][i]["b"])
+    return jnp.mean((h @ p["head"]["kernel"] - y) ** 2)
+
+
+def make_data(steps, same_on_replicas=False, seed=1):
+    """Per-step batches, global shape (M * D * BATCH, ...): rows of replica r, data device d come in that order."""
+    rng = np.random.RandomState(seed)
+    xs = rng.randn(steps, M * D * BATCH, D_IN).astype(np.float32)
+    if same_on_replicas:
+        xs[:, D * BATCH:] = xs[:, : D * BATCH]
+    w = rng.randn(D_IN, D_OUT).astype(np.float32)
+    return xs, np.sin(xs @ w)
+
+
+def replicate(params):
+    """Global view of local parameters: M identical blocks concatenated on dim 0."""
+    return jax.tree.map(lambda x: jnp.concatenate([x] * M), params)
+
+
+def local(tree, r):
+    """Replica r's block of a global-view tree."""
+    return jax.tree.map(lambda x: np.asarray(x).reshape(M, -1, *x.shape[1:])[r], tree)
+
+
+class Run:
+    """Jitted init and step programs of a DiLoCo transformation on the (2, 4) mesh."""
+
+    def __init__(self, mesh, tx, width=WIDTH):
+        self.mesh, self.tx = mesh, tx
+        self.params = put(mesh, replicate(make_params(width=width)), P("replica"))
+        self.specs = diloco.state_specs(tx, self.params, mesh)
+        self.state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("replica"), out_specs=self.specs))(self.params)
+        self._programs = {}
+
+    def body(self, params, state, x, y, phase=None):
+        p = lax.pcast(params, "data", to="varying")
+        grads = jax.grad(loss_fn)(p, x, y)
+        updates, state = self.tx.update(grads, state, params, phase=phase)
+        return optax.apply_updates(params, updates), state
+
+    def program(self, phase):
+        if phase not in self._programs:
+            fn = functools.partial(self.body, phase=phase) if phase != "traced" else self.body
+            in_specs = (P("replica"), self.specs, P(DEVICES), P(DEVICES))
+            self._programs[phase] = jax.jit(
+                jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=(P("replica"), self.specs))
+            )
+        return self._programs[phase]
+
+    def step(self, t, x, y, traced=False):
+        prog = self.program("traced" if traced else self.tx.phase(t))
+        xs, ys = put(self.mesh, x, P(DEVICES)), put(self.mesh, y, P(DEVICES))
+        self.params, self.state = jax.block_until_ready(prog(self.params, self.state, xs, ys))
+
+
+def inner_sgd(lr):
+    return optax.chain(loco.compress(bits=None, axis_name="data"), optax.sgd(lr))
+
+
+def inner_adamw():
+    return optax.chain(loco.compress(bits=None, axis_name="data"), optax.adamw(0.02, b1=0.9, b2=0.95, weight_decay=0.1))
+
+
+def plain_sgd_outer():
+    return optax.sgd(1.0)
+
+
+# ----------------------------------------------------------------------------- exact equivalences
+
+
+def test_h1_sgd_outer_lr1_equals_data_parallel_sgd(mesh):
+    tx = diloco.diloco(inner_sgd(0.1), sync_every=1, outer=plain_sgd_outer())
+    run = Run(mesh, tx)
+    xs, ys = make_data(5)
+    ref = make_params()
+    for t in range(1, 6):
+        run.step(t, xs[t - 1], ys[t - 1])
+        grads = jax.grad(loss_fn)(ref, xs[t - 1], ys[t - 1])  # mean over all 8 devices' equal shards
+        ref = jax.tree.map(lambda p, g: p - 0.1 * g, ref, grads)
+        for r in range(M):
+            chex.assert_trees_all_close(local(run.params, r), ref, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(jax.tree.map(np.asarray, diloco.global_params(run.state)), ref, rtol=1e-5, atol=1e-6)
+
+
+def _plain_inner(xs, ys, steps, tx):
+    """The inner optimizer alone on replica 0's data (full batch of its D devices)."""
+    params = make_params()
+    state = tx.init(params)
+    for t in range(1, steps + 1):
+        x, y = xs[t - 1][: D * BATCH], ys[t - 1][: D * BATCH]
+        updates, state = tx.update(jax.grad(loss_fn)(params, x, y), state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+@pytest.mark.parametrize("sync_every,num_fragments,overlap", [(4, 1, 0), (6, 3, 1), (9, 3, 2)])
+def test_identical_data_alpha1_reproduces_the_inner_optimizer(mesh, sync_every, num_fragments, overlap):
+    tx = diloco.diloco(inner_adamw(), sync_every=sync_every, num_fragments=num_fragments, overlap=overlap,
+                       alpha=1.0, outer=plain_sgd_outer())
+    run = Run(mesh, tx)
+    steps = 2 * sync_every + overlap + 1
+    xs, ys = make_data(steps, same_on_replicas=True)
+    for t in range(1, steps + 1):
+        run.step(t, xs[t - 1], ys[t - 1])
+    want = _plain_inner(xs, ys, steps, optax.adamw(0.02, b1=0.9, b2=0.95, weight_decay=0.1))
+    for r in range(M):
+        chex.assert_trees_all_close(local(run.params, r), want, rtol=2e-5, atol=2e-6)
+
+
+def test_identical_data_overlap1_alpha0_drops_the_local_step_taken_during_the_exchange(mesh):
+    sync_every, num_fragments = 6, 3
+    tx = diloco.diloco(inner_adamw(), sync_every=sync_every, num_fragments=num_fragments, overlap=1,
+                       alpha=0.0, outer=plain_sgd_outer())
+    run = Run(mesh, tx)
+    steps = 3 * sync_every
+    xs, ys = make_data(steps, same_on_replicas=True)
+    for t in range(1, steps + 1):
+        run.step(t, xs[t - 1], ys[t - 1])
+
+    plan = tx.plan(make_params())
+    applied = lambda t: [tx.phase(t).apply] if tx.phase(t).apply is not None else []
+    inner = optax.adamw(0.02, b1=0.9, b2=0.95, weight_decay=0.1)
+    params, state = make_params(), None
+    state = inner.init(params)
+    for t in range(1, steps + 1):
+        x, y = xs[t - 1][: D * BATCH], ys[t - 1][: D * BATCH]
+        updates, state = inner.update(jax.grad(loss_fn)(params, x, y), state, params)
+        new = optax.apply_updates(params, updates)
+        for p in applied(t):  # fragment p goes back to its snapshot theta(t - 1); Adam's state moved on
+            new = plan.insert(new, p, plan.extract(params, p))
+        params = new
+    assert any(applied(t) for t in range(1, steps + 1))
+    for r in range(M):
+        chex.assert_trees_all_close(local(run.params, r), params, rtol=2e-5, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- NumPy re-derivation
+
+
+class NumpyAdamW:
+    def __init__(self, lr=0.02, b1=0.9, b2=0.95, eps=1e-8, wd=0.1):
+        self.lr, self.b1, self.b2, self.eps, self.wd = lr, b1, b2, eps, wd
+        self.m = self.v = None
+        self.t = 0
+
+    def step(self, params, grads):
+        if self.m is None:
+            self.m, self.v = np.zeros_like(params), np.zeros_like(params)
+        self.t += 1
+        self.m = self.b1 * self.m + (1 - self.b1) * grads
+        self.v = self.b2 * self.v + (1 - self.b2) * grads**2
+        mhat, vhat = self.m / (1 - self.b1**self.t), self.v / (1 - self.b2**self.t)
+        return params - self.lr * (mhat / (np.sqrt(vhat) + self.eps) + self.wd * params)
+
+
+def numpy_diloco(xs, ys, steps, *, sync_every, num_fragments, overlap, alpha, outer_lr=0.7, momentum=0.9):
+    """Streaming DiLoCo from ALGORITHMS.md section 4, in NumPy, on flat parameter vectors."""
+    tmpl = make_params()
+    leaves, treedef = jax.tree.flatten(tmpl)
+    sizes = [x.size for x in leaves]
+    flatten = lambda tree: np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in jax.tree.leaves(tree)])
+
+    def unflatten(v):
+        out, s = [], 0
+        for x, n in zip(leaves, sizes):
+            out.append(jnp.asarray(v[s : s + n].reshape(x.shape), jnp.float32))
+            s += n
+        return jax.tree.unflatten(treedef, out)
+
+    # fragment of every value: non-block leaves -> 0, block i -> 1 + i % (P - 1)
+    owner = jax.tree.map(lambda x: np.zeros(x.size, int), tmpl)
+    if num_fragments > 1:
+        for i in range(N_LAYERS):
+            owner["layers"][i] = jax.tree.map(lambda x, i=i: np.full(x.size, 1 + i % (num_fragments - 1)), tmpl["layers"][i])
+    owner = np.concatenate(jax.tree.leaves(owner))
+    offsets = [p * sync_every // num_fragments for p in range(num_fragments)]
+    due = lambda t: next((p for p in range(num_fragments) if t >= sync_every and (t - offsets[p]) % sync_every == 0), None)
+
+    theta = [flatten(tmpl) for _ in range(M)]
+    glob = flatten(tmpl)
+    trace = np.zeros_like(glob)  # one Nesterov buffer; fragments touch disjoint entries
+    adam = [NumpyAdamW() for _ in range(M)]
+    pending = {}
+    for t in range(1, steps + 1):
+        for r in range(M):
+            rows = slice(r * D * BATCH, (r + 1) * D * BATCH)
+            g = flatten(jax.grad(loss_fn)(unflatten(theta[r]), xs[t - 1][rows], ys[t - 1][rows]))
+            theta[r] = adam[r].step(theta[r], g)
+        p = due(t)
+        if p is not None:
+            mask = owner == p
+            pending[t + overlap] = (p, np.mean([glob[mask] - theta[r][mask] for r in range(M)], axis=0))
+        if t in pending:
+            p, delta = pending.pop(t)
+            mask = owner == p
+            trace[mask] = delta + momentum * trace[mask]
+            merged = glob[mask] - outer_lr * (delta + momentum * trace[mask])
+            glob[mask] = merged
+            for r in range(M):
+                theta[r][mask] = alpha * theta[r][mask] + (1 - alpha) * merged
+    return [unflatten(v) for v in theta], unflatten(glob)
+
+
+@pytest.mark.parametrize(
+    "sync_every,num_fragments,overlap,alpha", [(4, 1, 0, 0.0), (9, 3, 2, 0.5)], ids=["vanilla", "streaming-p3-tau2"]
+)
+def test_matches_numpy_rederivation_over_three_rounds(mesh, sync_every, num_fragments, overlap, alpha):
+    tx = diloco.diloco(inner_adamw(), sync_every=sync_every, num_fragments=num_fragments, overlap=overlap, alpha=alpha)
+    run = Run(mesh, tx)
+    steps = 3 * sync_every + overlap
+    xs, ys = make_data(steps)
+    for t in range(1, steps + 1):
+        run.step(t, xs[t - 1], ys[t - 1])
+    want_local, want_global = numpy_diloco(
+        xs, ys, steps, sync_every=sync_every, num_fragments=num_fragments, overlap=overlap, alpha=alpha
+    )
+    for r in range(M):
+        chex.assert_trees_all_close(local(run.params, r), want_local[r], rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, diloco.global_params(run.state)), want_global, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- schedule and paths
+
+
+def test_static_phases_and_traced_fallback_agree(mesh):
+    make = lambda: diloco.diloco(inner_adamw(), sync_every=9, num_fragments=3, overlap=2, alpha=0.5, bits=4, compensate=True)
+    static, traced = Run(mesh, make()), Run(mesh, make())
+    steps = 2 * 9 + 2
+    xs, ys = make_data(steps)
+    for t in range(1, steps + 1):
+        static.step(t, xs[t - 1], ys[t - 1])
+        traced.step(t, xs[t - 1], ys[t - 1], traced=True)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, static.params), jax.tree.map(np.asarray, traced.params))
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, static.state), jax.tree.map(np.asarray, traced.state))
+
+
+def test_schedule_offsets_and_phases():
+    assert diloco.schedule_offsets(100, 9) == (0, 11, 22, 33, 44, 55, 66, 77, 88)
+    due = [t for t in range(1, 400) if diloco.due_fragment(t, sync_every=100, num_fragments=9) == 1]
+    assert due == [111, 211, 311]
+    assert diloco.phase(112, sync_every=100, num_fragments=9, overlap=1) == diloco.Phase(1, 1)
+    assert diloco.phase(112, sync_every=100, num_fragments=9, overlap=3) == diloco.Phase(1, None)
+    assert diloco.phase(114, sync_every=100, num_fragments=9, overlap=3) == diloco.Phase(None, 1)
+    assert diloco.phase(111, sync_every=100, num_fragments=9, overlap=0) == diloco.Phase(1, 1)
+    tx = diloco.diloco(optax.sgd(0.1), sync_every=100, num_fragments=9, overlap=1)
+    assert len(tx.phases()) == 10  # one program per fragment plus the plain inner step
+
+
+def test_each_fragment_syncs_exactly_at_its_steps(mesh):
+    tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=1, alpha=0.5)
+    run = Run(mesh, tx)
+    plan = tx.plan(make_params())
+    xs, ys = make_data(19)
+    previous = jax.tree.map(np.asarray, run.state)
+    for t in range(1, 20):
+        run.step(t, xs[t - 1], ys[t - 1])
+        now = jax.tree.map(np.asarray, run.state)
+        applied = tx.phase(t).apply
+        for p in range(3):
+            moved_global = not np.array_equal(plan.extract(now.global_params, p), plan.extract(previous.global_params, p))
+            moved_outer = not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(now.outer[p]), jax.tree.leaves(previous.outer[p])))
+            assert moved_global == moved_outer == (applied == p), (t, p)
+        previous = now
+    assert [t for t in range(1, 20) if tx.phase(t).apply == 1] == [9, 15]  # t_1 = 2, due at 8, 14; applied one later
+
+
+def test_global_params_start_as_the_replica_mean(mesh):
+    tx = diloco.diloco(inner_sgd(0.1), sync_every=4)
+    params = put(mesh, jax.tree.map(lambda x: jnp.concatenate([x, 3 * x]), make_params()), P("replica"))
+    specs = diloco.state_specs(tx, params, mesh)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("replica"), out_specs=specs))(params)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, state.global_params), jax.tree.map(lambda x: 2 * x, make_params()), rtol=1e-6)
+
+
+def _tainted_collectives(jaxpr, tainted_invars, axis):
+    """Collectives over ``axis`` in ``jaxpr`` and whether an operand depends on ``tainted_invars``."""
+    tainted = set(tainted_invars)
+    found = []
+    for eqn in jaxpr.eqns:
+        dirty = any(not isinstance(v, jex_core.Literal) and v in tainted for v in eqn.invars)
+        names = eqn.params.get("axis_name", eqn.params.get("axes", ()))
+        names = names if isinstance(names, tuple) else (names,)
+        if axis in names:
+            found.append((eqn.primitive.name, dirty))
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            inner = [v for v, outer in zip(sub.invars, eqn.invars) if not isinstance(outer, jex_core.Literal) and outer in tainted]
+            found.extend(_tainted_collectives(sub, inner, axis))
+        if dirty:
+            tainted.update(eqn.outvars)
+    return found
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_outer_exchange_has_no_data_path_from_the_steps_gradients(mesh, overlap):
+    tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=overlap, bits=4)
+    run = Run(mesh, tx)
+    ph = tx.phase(6 + overlap)  # fragment 0 is due after step 6
+    assert ph.send == 0
+    fn = lambda g, s, p: tx.update(lax.pcast(g, "data", to="varying"), s, p, phase=ph)
+    sm = jax.shard_map(fn, mesh=mesh, in_specs=(P("replica"), run.specs, P("replica")), out_specs=(P("replica"), run.specs))
+    closed = jax.make_jaxpr(sm)(run.params, run.state, run.params)
+    (body,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+    inner_jaxpr = body.params["jaxpr"]
+    n_grads = len(jax.tree.leaves(run.params))
+    found = _tainted_collectives(inner_jaxpr, inner_jaxpr.invars[:n_grads], "replica")
+    # the finite flag (a scalar pmin) legitimately looks at the gradients; the exchange must not
+    exchange = [dirty for name, dirty in found if name.startswith(("all_gather", "all_to_all", "psum"))]
+    assert exchange, found
+    if overlap >= 1:
+        assert not any(exchange), "with overlap the outer exchange must not depend on this step's gradients"
+    else:
+        assert all(exchange), "without overlap the exchange follows the step (the check can tell)"
+
+
+def test_quantized_exchange_sends_uint8_slices_over_replica(mesh):
+    width = 512  # fragment 0 (proj_in and head) holds 3072 values: D slices of 3 whole blocks each
+    tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=1, bits=4)
+    run = Run(mesh, tx, width=width)
+    x = put(mesh, np.zeros((M * D * BATCH, D_IN), np.float32), P(DEVICES))
+    y = put(mesh, np.zeros((M * D * BATCH, D_OUT), np.float32), P(DEVICES))
+    report = hlo.collective_bytes(run.program(tx.phase(7)).lower(run.params, run.state, x, y).compile())
+    over_replica = [op for op in report.ops if op.group_size == M]
+    assert over_replica and {op.dtype for op in over_replica} == {"u8"}, report.table()
+    size0 = tx.plan(make_params(width=width)).fragment_sizes()[0]
+    assert size0 == D_IN * width + width * D_OUT
+    k = -(-size0 // D // 256) * 256  # this device's slice, whole blocks
+    sent = sum(op.total_bytes for op in over_replica)
+    assert sent == (M - 1) * collectives.quant.payload_bytes(k, 4), report.table()
+    # the whole fragment from every data device would be D times more
+    assert sent * D <= (M - 1) * collectives.quant.payload_bytes(-(-size0 // 256) * 256, 4) * 1.01
+
+
+# ----------------------------------------------------------------------------- compensation, non-finite, bad input
+
+
+def test_compensation_error_buffers_per_fragment(mesh):
+    tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=1, bits=2, compensate=True)
+    run = Run(mesh, tx)
+    xs, ys = make_data(9)
+    initial = [np.asarray(e).copy() for e in run.state.error]
+    errors = []
+    for t in range(1, 10):
+        run.step(t, xs[t - 1], ys[t - 1])
+        errors.append([np.asarray(e).copy() for e in run.state.error])
+    # fragment 0 syncs at step 7 and fragment 1 at step 9: only their buffers change, only then
+    changed = lambda t, p: not np.array_equal(errors[t - 1][p], errors[t - 2][p])
+    assert changed(7, 0) and not changed(7, 1) and not changed(8, 0) and changed(9, 1) and not changed(9, 0)
+    np.testing.assert_array_equal(errors[-1][2], initial[2], err_msg="fragment 2 has not synced yet")
+    assert not np.array_equal(errors[-1][0], initial[0])
+
+
+def test_nonfinite_gradient_skips_the_step_everywhere(mesh):
+    tx = diloco.diloco(inner_adamw(), sync_every=2, overlap=0, bits=4, compensate=True)
+    run = Run(mesh, tx)
+    xs, ys = make_data(2)
+    run.step(1, xs[0], ys[0])
+    before_params, before_state = jax.tree.map(np.asarray, run.params), jax.tree.map(np.asarray, run.state)
+    x = xs[1].copy()
+    x[5 * BATCH, 0] = np.nan  # one data device of replica 1
+    run.step(2, x, ys[1])
+    after = jax.tree.map(np.asarray, run.state)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, run.params), before_params)
+    assert int(after.skipped) == 1 and int(after.step) == 1
+    chex.assert_trees_all_equal(after._replace(skipped=before_state.skipped), before_state)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(sync_every=0), "sync_every=0"),
+        (dict(sync_every=-5), "sync_every=-5"),
+        (dict(sync_every=10, num_fragments=0), "num_fragments=0"),
+        (dict(sync_every=4, num_fragments=5), "num_fragments=5 exceeds sync_every=4"),
+        (dict(sync_every=10, num_fragments=3, overlap=3), r"overlap=3 .*\[0, 3\)"),
+        (dict(sync_every=10, overlap=-1), "overlap=-1"),
+        (dict(sync_every=10, alpha=1.5), "alpha=1.5"),
+        (dict(sync_every=10, alpha=-0.1), "alpha=-0.1"),
+        (dict(sync_every=10, bits=8, format="e3m0"), "e3m0"),
+        (dict(sync_every=10, bits=3), "bits=3"),
+        (dict(sync_every=10, mode="ring"), "mode='ring'"),
+    ],
+)
+def test_bad_arguments_raise_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        diloco.diloco(optax.sgd(0.1), **kwargs)
+
+
+def test_bad_labels_and_unbound_axis_raise(mesh):
+    params = make_params()
+    with pytest.raises(ValueError, match="not bound"):
+        diloco.diloco(optax.sgd(0.1), sync_every=4).init(params)
+    bad = jax.tree.map(lambda _: 7, params)
+    tx = diloco.diloco(optax.sgd(0.1), sync_every=4, num_fragments=2, labels=bad)
+    with pytest.raises(ValueError, match="7"):
+        diloco.state_specs(tx, put(mesh, replicate(params), P("replica")), mesh)

@@ -278,23 +278,13 @@ def diloco(
         inflight = coll.to_varying(jnp.zeros((max(k),), jnp.float32), tuple(a for a in (data_axis,) if a in device_axes))
         error, error_scale = (), ()
         if compensate and bits is not None:
-            stored = [_store(coll.to_varying(jnp.zeros((1, kp), jnp.float32), device_axes)) for kp in k]
+            stored = [
+                jax.tree.map(lambda x: coll.to_varying(x, device_axes), quant.stored_zeros((1, kp), error_bits, block_size=block_size))
+                for kp in k
+            ]
             error, error_scale = tuple(s[0] for s in stored), tuple(s[1] for s in stored)
         zero = jnp.zeros((), jnp.int32)
         return DiLoCoState(inner.init(params), global_params, outer_states, zero, zero, inflight, error, error_scale)
-
-    def _store(e):
-        if error_bits is None:
-            return e, None
-        rows, cols = e.shape
-        codes, scales = quant.quantize(e.reshape(rows, cols // block_size, block_size), error_bits)
-        return codes.reshape(rows, cols), scales
-
-    def _load(values, scales):
-        if error_bits is None:
-            return values
-        rows, cols = values.shape
-        return quant.dequantize(values.reshape(rows, cols // block_size, block_size), scales, error_bits).reshape(rows, cols)
 
     # -------------------------------------------------------------- exchange
 
@@ -314,7 +304,7 @@ def diloco(
         m = coll.axis_size(axis_name)
         if bits is None:
             return lax.pmean(slice_f32, axis_name), None
-        e = _load(state.error[p], state.error_scale[p])[0] if compensate else 0.0
+        e = quant.load(state.error[p], state.error_scale[p], error_bits, block_size=block_size)[0] if compensate else 0.0
         h = slice_f32 + e
         if mode == "all_gather":
             total, sent = coll.all_gather_sum(h[None], axis_name, cfg)
@@ -325,7 +315,7 @@ def diloco(
             mean, sent = full.reshape(-1), sent.reshape(-1)
         if not compensate:
             return mean, None
-        return mean, _store((error_beta * e + (1.0 - error_beta) * (h - sent))[None])
+        return mean, quant.store((error_beta * e + (1.0 - error_beta) * (h - sent))[None], error_bits, block_size=block_size)
 
     # ---------------------------------------------------------------- update
 

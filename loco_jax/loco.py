@@ -121,23 +121,6 @@ def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce,
         raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of values, or None (one bucket).")
 
 
-def _store(e, error_bits, block_size):
-    """fp32 ``(rows, cols)`` error -> stored form ``(values, scales)``."""
-    if error_bits is None:
-        return e, None
-    rows, cols = e.shape
-    codes, scales = quant.quantize(e.reshape(rows, cols // block_size, block_size), error_bits)
-    return codes.reshape(rows, cols), scales
-
-
-def _load(values, scales, error_bits, block_size):
-    if error_bits is None:
-        return values
-    rows, cols = values.shape
-    blocks = values.reshape(rows, cols // block_size, block_size)
-    return quant.dequantize(blocks, scales, error_bits).reshape(rows, cols)
-
-
 def _all_finite(tree):
     leaves = jax.tree.leaves(tree)
     flag = jnp.array(True)
@@ -259,7 +242,8 @@ def compress(
         device_axes = coll.manual_axes()  # error buffers are per device
 
         def zeros(shape):
-            return _store(coll.to_varying(jnp.zeros(shape, jnp.float32), device_axes), error_bits, block_size)
+            values, scales = quant.stored_zeros(shape, error_bits, block_size=block_size)
+            return jax.tree.map(lambda x: coll.to_varying(x, device_axes), (values, scales))
 
         error, error_scale, error2, error2_scale = [], [], [], []
         for _, cols in _layout(leaves, m, scatter):
@@ -309,7 +293,7 @@ def compress(
             key1 = coll.device_key(step_key, axes, 2 * b) if stochastic_rounding else None
             key2 = coll.device_key(step_key, axes, 2 * b + 1) if stochastic_rounding else None
             if keep_error:
-                e = jnp.where(reset, 0.0, _load(state.error[b], state.error_scale[b], error_bits, block_size))
+                e = jnp.where(reset, 0.0, quant.load(state.error[b], state.error_scale[b], error_bits, block_size=block_size))
                 h = rows + e
             else:
                 h = rows
@@ -320,7 +304,7 @@ def compress(
                 chunk, sent = coll.reduce_scatter_rows(h, axis_name, cfg, key1)
                 chunk = chunk / m
             if keep_error:
-                values, scales = _store(beta * e + (1.0 - beta) * (h - sent), error_bits, block_size)
+                values, scales = quant.store(beta * e + (1.0 - beta) * (h - sent), error_bits, block_size=block_size)
                 new["error"].append(values)
                 new["error_scale"].append(scales)
             if scatter:
@@ -330,10 +314,10 @@ def compress(
                 continue
             if mode == "two_stage":
                 if compensate_second_stage:
-                    e2 = jnp.where(reset, 0.0, _load(state.error2[b], state.error2_scale[b], error_bits, block_size))
+                    e2 = jnp.where(reset, 0.0, quant.load(state.error2[b], state.error2_scale[b], error_bits, block_size=block_size))
                     h2 = chunk[None] + e2
                     mean_rows, sent2 = coll.all_gather_chunk(h2[0], axis_name, cfg, key2)
-                    values, scales = _store(beta * e2 + (1.0 - beta) * (h2 - sent2[None]), error_bits, block_size)
+                    values, scales = quant.store(beta * e2 + (1.0 - beta) * (h2 - sent2[None]), error_bits, block_size=block_size)
                     new["error2"].append(values)
                     new["error2_scale"].append(scales)
                 else:

@@ -234,3 +234,37 @@ def quantize_dequantize(x, bits, *, block_size=DEFAULT_BLOCK_SIZE, format="int",
     rows, cols = x.shape
     codes, scales = quantize(_blocks(x, block_size), bits, format=format, key=key)
     return dequantize(codes, scales, bits, format=format).reshape(rows, cols)
+
+
+def store(x, bits, *, block_size=DEFAULT_BLOCK_SIZE):
+    """A ``(rows, cols)`` fp32 buffer kept in ``bits`` bits: ``(codes, scales)``; ``bits=None`` keeps fp32.
+
+    Error buffers (LoCo, outer-gradient compensation) are stored this way.
+    """
+    if bits is None:
+        return x, None
+    rows, cols = x.shape
+    codes, scales = quantize(_blocks(x, block_size), bits)
+    return codes.reshape(rows, cols), scales
+
+
+def load(codes, scales, bits, *, block_size=DEFAULT_BLOCK_SIZE):
+    """Inverse of :func:`store`: fp32 ``(rows, cols)``."""
+    if bits is None:
+        return codes
+    rows, cols = codes.shape
+    return dequantize(_blocks(codes, block_size), scales, bits).reshape(rows, cols)
+
+
+def stored_zeros(shape, bits, *, block_size=DEFAULT_BLOCK_SIZE):
+    """What :func:`store` returns for a buffer of zeros, built without quantizing anything.
+
+    (Quantizing a constant would make XLA constant-fold it at compile time.)
+    """
+    rows, cols = shape
+    if bits is None:
+        return jnp.zeros(shape, jnp.float32), None
+    zero_code = 1 if bits == 1 else qmax(bits)  # sign(0) = +1 at 1 bit, the offset code of 0 otherwise
+    zero_scale = 0.0 if bits == 1 else 1.0  # mean|0| at 1 bit, the all-zero scale otherwise
+    codes = jnp.full(shape, zero_code, jnp.uint8)
+    return codes, jnp.full((rows, cols // block_size), zero_scale, jnp.float32)

@@ -111,3 +111,16 @@ def test_stochastic_rounding_is_unbiased(bits, fmt):
 def test_validate_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         quant.validate(**kwargs)
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4, 2, 1])
+def test_stored_zeros_equal_storing_zeros(bits):
+    want = quant.store(jnp.zeros((2, 512)), bits)
+    got = quant.stored_zeros((2, 512), bits)
+    for w, g in zip(want, got):
+        if w is None:
+            assert g is None
+        else:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+            assert g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(quant.load(*got, bits)), 0.0)

@@ -1,0 +1,537 @@
+"""Training loop: pure ``train_step`` / ``eval_step`` under ``shard_map``, checkpoints, metrics.
+
+``train_and_evaluate(config, workdir)`` runs a whole experiment:
+
+- the mesh ``(replica, data)`` from ``config.mesh`` (:mod:`loco_jax.mesh`);
+- the inner optimizer: ``loco.compress`` on ``data`` (``config.loco.bits``;
+  ``None`` is the exact fp32 mean), gradient clipping, AdamW with linear
+  warm-up and cosine decay; wrapped in ``diloco.diloco`` on ``replica`` when
+  ``config.diloco.enabled`` (one compiled program per DiLoCo phase, picked
+  in the Python loop with ``tx.phase(step)``), else plain data parallel;
+- the step recipe of the README: parameters cast to varying over ``data``
+  before ``jax.grad`` (no hidden fp32 psum), state ``PartitionSpec`` s from
+  the library's ``state_specs`` helpers;
+- evaluation on the global parameters (DiLoCo) or the parameters (DP);
+- metrics as JSON lines, a progress line, a loss plot;
+- orbax checkpoints split into global, per-replica and per-device items,
+  resumed bit-identically by rerunning the same command in the same workdir.
+
+Workdir contents: ``config.json`` (the resolved config), ``metrics.jsonl``,
+``checkpoints/<step>/``, ``loss.png``, ``programs.json`` (bytes each compiled
+program moves, from ``hlo.collective_bytes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import config as config_lib
+from loco_jax import data as data_lib
+from loco_jax import diloco, hlo, loco
+from loco_jax import mesh as mesh_lib
+from loco_jax import model as model_lib
+
+BATCH_SPEC = P(("replica", "data"))
+
+
+# ---------------------------------------------------------------------------- optimizer and steps
+
+
+def learning_rate_schedule(cfg: config_lib.Config):
+    """Linear warm-up to ``optim.lr``, cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+    o = cfg.optim
+    warmup = min(o.warmup_steps, max(cfg.steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.lr, warmup_steps=warmup, decay_steps=max(cfg.steps, warmup + 1),
+        end_value=o.lr * o.min_lr_ratio,
+    )
+
+
+def make_optimizer(cfg: config_lib.Config):
+    """The step's optax transformation: LoCo (or exact mean) on ``data``, clip, AdamW; DiLoCo outside."""
+    o, c = cfg.optim, cfg.loco
+    parts = [
+        loco.compress(
+            c.bits, beta=c.beta, compensate=c.compensate, error_bits=c.error_bits, block_size=c.block_size,
+            reset_every=c.reset_every, compensate_second_stage=c.compensate_second_stage, axis_name="data",
+        )
+    ]
+    if o.grad_clip is not None:
+        parts.append(optax.clip_by_global_norm(o.grad_clip))
+    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+    inner = optax.chain(*parts)
+    d = cfg.diloco
+    if not d.enabled:
+        return inner
+    outer = optax.sgd(d.outer_lr, momentum=d.outer_momentum or None, nesterov=d.outer_momentum > 0)
+    return diloco.diloco(
+        inner, sync_every=d.sync_every, outer=outer, num_fragments=d.num_fragments, overlap=d.overlap,
+        alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, mode=d.mode,
+    )
+
+
+def model_config(cfg: config_lib.Config) -> model_lib.ModelConfig:
+    m = cfg.model
+    return model_lib.ModelConfig(
+        vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, d_ff=m.d_ff, max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings,
+        scan_layers=m.scan_layers, remat=m.remat, compute_dtype=m.compute_dtype,
+    )
+
+
+def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None):
+    """One step inside ``shard_map``: loss, gradient (no hidden psum), the optimizer, new params."""
+    varying = lax.pcast(params, "data", to="varying")  # the README recipe
+    loss, grads = jax.value_and_grad(lambda p: model_lib.loss_fn(mcfg, p, inputs, targets))(varying)
+    extra = {} if phase is None else {"phase": phase}
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": lax.pmean(loss, ("replica", "data"))}
+
+
+def eval_step(mcfg, params, inputs, targets):
+    """Mean loss over the eval batch, inside ``shard_map`` (params identical everywhere)."""
+    return lax.pmean(model_lib.loss_fn(mcfg, params, inputs, targets), ("replica", "data"))
+
+
+# ---------------------------------------------------------------------------- state layout for checkpoints
+
+
+def _kind(spec):
+    """'global', 'replica' or 'device' from a leaf's PartitionSpec."""
+    if spec == P():
+        return "global"
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    return "replica" if axes == ("replica",) else "device"
+
+
+def split_by_kind(tree, specs):
+    """{'global'|'replica'|'device': {path: leaf}}: the checkpoint layout."""
+    out = {"global": {}, "replica": {}, "device": {}}
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for (path, leaf), spec in zip(leaves, spec_leaves):
+        out[_kind(spec)][jax.tree_util.keystr(path)] = leaf
+    return out
+
+
+def join_by_kind(parts, like):
+    """Inverse of :func:`split_by_kind` onto the structure of ``like``."""
+    merged = {k: v for part in parts.values() for k, v in part.items()}
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+    return jax.tree.unflatten(jax.tree.structure(like), [merged[p] for p in paths])
+
+
+# ---------------------------------------------------------------------------- data
+
+
+class Dataset:
+    """Token streams of the config and this process's rows of each global batch."""
+
+    def __init__(self, cfg: config_lib.Config, log=print):
+        d = cfg.data
+        sp = d.tokenizer == "sentencepiece"
+        self.tokens = data_lib.load_data(
+            d.path, tokenizer=d.tokenizer, vocab_size=d.sp_vocab_size if sp else None, cache_dir=d.cache_dir
+        )
+        if self.tokens.vocab_size > cfg.model.vocab_size:
+            raise ValueError(
+                f"the {d.tokenizer} tokenizer has {self.tokens.vocab_size} tokens but model.vocab_size="
+                f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.tokens.vocab_size}."
+            )
+        self.cfg = cfg
+        self.process, self.processes = jax.process_index(), jax.process_count()
+        log(f"data: {self.tokens.source or 'shakespeare'}; {len(self.tokens.train_tokens):,} train and "
+            f"{len(self.tokens.eval_tokens):,} eval tokens ({d.tokenizer} tokenizer)")
+
+    def train_iterator(self, seed, state=None):
+        batcher = data_lib.Batcher(self.tokens.train_tokens, seq_len=self.cfg.seq_len, seed=seed)
+        return _ProcessBatcher(batcher.restore(state) if state else batcher, self.process, self.processes)
+
+    def eval_batches(self, batch_size, count):
+        """The same ``count`` global batches every time: the first windows of the eval stream."""
+        inputs, targets = data_lib.eval_windows(self.tokens.eval_tokens, seq_len=self.cfg.seq_len,
+                                                max_windows=batch_size * count)
+        rows = data_lib.process_rows(batch_size, self.process, self.processes)
+        for b in range(len(inputs) // batch_size):
+            chunk = slice(b * batch_size, (b + 1) * batch_size)
+            yield inputs[chunk][rows], targets[chunk][rows]
+
+
+class _ProcessBatcher:
+    def __init__(self, batcher, process, processes):
+        self.batcher, self.process, self.processes = batcher, process, processes
+
+    def next_batch(self, global_batch):
+        return self.batcher.next_batch(global_batch, process_index=self.process, num_processes=self.processes)
+
+    def state(self):
+        return self.batcher.state()
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+class TrainState(NamedTuple):
+    params: Any
+    opt_state: Any
+
+
+def _emit(line):
+    print(line, flush=True)
+
+
+class _Progress:
+    """One updating line on a terminal, plain log lines elsewhere."""
+
+    def __init__(self, total):
+        self.total, self.tty = total, sys.stderr.isatty()
+
+    def update(self, step, text):
+        if self.tty:
+            width = 30
+            done = int(width * step / self.total)
+            sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} {text}   ")
+            sys.stderr.flush()
+
+    def close(self):
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+class Trainer:
+    """Builds the mesh, data, programs and state of a config; ``run()`` trains."""
+
+    def __init__(self, cfg: config_lib.Config, workdir: str, log=_emit):
+        self.cfg, self.workdir, self.log = cfg, workdir, log
+        self.mesh = mesh_lib.make_mesh(cfg.mesh.replicas, cfg.mesh.data)
+        self.m, self.d = self.mesh.shape["replica"], self.mesh.shape["data"]
+        if not cfg.diloco.enabled and self.m != 1:
+            raise ValueError(
+                f"mesh.replicas={self.m} needs diloco.enabled=True; plain data parallel runs on one replica "
+                "(set mesh.replicas=1 to average over every device)."
+            )
+        n_dev = self.m * self.d
+        if cfg.batch_size % n_dev:
+            raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {n_dev} devices of the mesh.")
+        self.mcfg = model_config(cfg)
+        self.tx = make_optimizer(cfg)
+        self.schedule = learning_rate_schedule(cfg)
+        self.dataset = Dataset(cfg, log)
+        self._programs, self.program_bytes = {}, {}
+        self.param_spec = P("replica") if cfg.diloco.enabled else P()
+
+    # ------------------------------------------------------------ state
+
+    def init_state(self):
+        params = model_lib.init_params(self.mcfg, jax.random.PRNGKey(self.cfg.seed))
+        if self.cfg.diloco.enabled:  # one block of local parameters per replica, concatenated on dim 0
+            params = jax.tree.map(lambda x: jnp.concatenate([x] * self.m), params)
+        params = jax.device_put(params, NamedSharding(self.mesh, self.param_spec))
+        state_specs = self._state_specs(params)
+        init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=self.param_spec, out_specs=state_specs))
+        self.specs = TrainState(jax.tree.map(lambda _: self.param_spec, params), state_specs)
+        return TrainState(params, init(params))
+
+    def _state_specs(self, params):
+        if self.cfg.diloco.enabled:
+            return diloco.state_specs(self.tx, params, self.mesh)
+        return loco.state_specs(self.tx, params, self.mesh)
+
+    def abstract_state(self):
+        """Shapes and shardings of the train state, without allocating it (for restores)."""
+        state = jax.eval_shape(self.init_state)
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+
+    # ------------------------------------------------------------ programs
+
+    def program(self, phase, state, batch):
+        """The compiled step program of a DiLoCo phase (None for DP); compiled once, bytes recorded."""
+        if phase not in self._programs:
+            fn = lambda p, s, x, y: train_step(self.tx, self.mcfg, p, s, x, y, phase=phase)
+            specs = self.specs
+            f = jax.jit(
+                jax.shard_map(
+                    fn, mesh=self.mesh, in_specs=(specs.params, specs.opt_state, BATCH_SPEC, BATCH_SPEC),
+                    out_specs=(specs.params, specs.opt_state, P()),
+                ),
+                donate_argnums=(0, 1),
+            )
+            compiled = f.lower(state.params, state.opt_state, *batch).compile()
+            report = hlo.collective_bytes(compiled)
+            cross = sum(op.total_bytes for op in report.ops if self.m > 1 and op.group_size == self.m) * self.d
+            self.program_bytes[str(phase)] = {"per_device": report.total, "cross_replica_per_replica": cross}
+            self._programs[phase] = compiled
+        return self._programs[phase]
+
+    def eval_program(self):
+        if "eval" not in self._programs:
+            fn = lambda p, x, y: eval_step(self.mcfg, p, x, y)
+            self._programs["eval"] = jax.jit(
+                jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), BATCH_SPEC, BATCH_SPEC), out_specs=P())
+            )
+        return self._programs["eval"]
+
+    def eval_params(self, state):
+        if self.cfg.diloco.enabled:
+            return diloco.global_params(state.opt_state)
+        return state.params
+
+    def put_batch(self, rows):
+        sharding = NamedSharding(self.mesh, BATCH_SPEC)
+        return tuple(jax.make_array_from_process_local_data(sharding, np.asarray(a)) for a in rows)
+
+    def evaluate(self, state):
+        losses = []
+        for inputs, targets in self.dataset.eval_batches(self.cfg.batch_size, self.cfg.eval_batches):
+            losses.append(float(self.eval_program()(self.eval_params(state), *self.put_batch((inputs, targets)))))
+        return float(np.mean(losses))
+
+    # ------------------------------------------------------------ loop
+
+    def phase(self, step):
+        return self.tx.phase(step) if self.cfg.diloco.enabled else None
+
+    def skipped(self, state):
+        """Steps skipped for non-finite values so far (the outermost counter)."""
+        s = state.opt_state
+        if self.cfg.diloco.enabled:
+            return int(s.skipped)
+        return int(s[0].skipped)
+
+
+def _metrics_path(workdir):
+    return os.path.join(workdir, "metrics.jsonl")
+
+
+def read_metrics(workdir):
+    path = _metrics_path(workdir)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _truncate_metrics(workdir, last_step):
+    """Drops metric rows logged after the checkpoint we resume from (they will be logged again)."""
+    rows = [r for r in read_metrics(workdir) if r.get("step", 0) <= last_step]
+    with open(_metrics_path(workdir), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def plot(workdir, out=None):
+    """Writes ``loss.png``: train and eval loss against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(workdir)
+    out = out or os.path.join(workdir, "loss.png")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss (global params)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(os.path.basename(os.path.abspath(workdir)))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+class _Stop:
+    """SIGTERM: finish the current step, write a checkpoint, exit 0."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self, signum, frame):
+        self.requested = True
+
+
+def _checkpoint_manager(workdir, keep):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options)
+
+
+def _save(manager, step, trainer, state, extra):
+    import orbax.checkpoint as ocp
+
+    parts = split_by_kind(state, trainer.specs)
+    args = {k: ocp.args.StandardSave(v) for k, v in parts.items() if v}
+    args["meta"] = ocp.args.JsonSave(extra)
+    manager.save(step, args=ocp.args.Composite(**args))
+    manager.wait_until_finished()
+
+
+def _restore(manager, step, trainer):
+    import orbax.checkpoint as ocp
+
+    like = trainer.abstract_state()
+    parts = split_by_kind(like, trainer.specs)
+    args = {k: ocp.args.StandardRestore(v) for k, v in parts.items() if v}
+    args["meta"] = ocp.args.JsonRestore()
+    restored = manager.restore(step, args=ocp.args.Composite(**args))
+    loaded = {k: restored[k] for k in parts if parts[k]}
+    for k in parts:
+        loaded.setdefault(k, {})
+    return join_by_kind(loaded, like), restored["meta"]
+
+
+def _check_resume_config(workdir, cfg, log):
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        old = json.load(f)
+    new = config_lib.to_dict(cfg)
+    changed = config_lib.changed_fields(old, new)
+    frozen = [k for k in changed if k.split(".")[0] in config_lib.FROZEN_ON_RESUME]
+    if frozen:
+        raise ValueError(
+            f"the run in {workdir!r} was started with a different configuration: {', '.join(frozen)} changed "
+            f"(e.g. {frozen[0]}: {_get(old, frozen[0])!r} -> {_get(new, frozen[0])!r}). These fields cannot change "
+            "on resume; use a new --workdir."
+        )
+    if "steps" in changed:
+        log(f"resume: steps changed {old['steps']} -> {new['steps']}; the learning-rate schedule (cosine decay to "
+            "the last step) changes with it")
+
+
+def _get(d, dotted):
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_after: int | None = None) -> dict:
+    """Trains ``cfg`` in ``workdir`` (resuming from its latest checkpoint); returns a summary.
+
+    ``stop_after``: checkpoint after that step and return, as a pre-emption would (tests, schedulers).
+    """
+    os.makedirs(workdir, exist_ok=True)
+    _check_resume_config(workdir, cfg, log)
+    trainer = Trainer(cfg, workdir, log)
+    is_main = jax.process_index() == 0
+    if is_main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config_lib.dumps(cfg))
+    log(f"{mesh_lib.describe(trainer.mesh)}; model {model_lib.count_params(trainer.mcfg):,} parameters; "
+        f"{'Streaming DiLoCo' if cfg.diloco.enabled else 'data parallel'}, loco bits={cfg.loco.bits}")
+
+    manager = _checkpoint_manager(workdir, cfg.keep_checkpoints)
+    state = trainer.init_state()
+    start, data_state, bytes_so_far = 0, None, 0.0
+    latest = manager.latest_step()
+    if latest is not None:
+        state, meta = _restore(manager, latest, trainer)
+        start, data_state, bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
+        log(f"resumed from checkpoint at step {start}")
+        if is_main:
+            _truncate_metrics(workdir, start)
+    batches = trainer.dataset.train_iterator(seed=cfg.data.seed, state=data_state)
+
+    _check_replicas_identical(trainer, state)
+    stop = _Stop()
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: no SIGTERM handling
+        previous = None
+    progress = _Progress(cfg.steps)
+    metrics_file = open(_metrics_path(workdir), "a") if is_main else None
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    t_last, steps_since, last_saved = time.perf_counter(), 0, start
+    eval_loss = None
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            inputs, targets = batches.next_batch(cfg.batch_size)
+            batch = trainer.put_batch((inputs, targets))
+            prog = trainer.program(trainer.phase(step), state, batch)
+            params, opt_state, out = prog(state.params, state.opt_state, *batch)
+            state = TrainState(params, opt_state)
+            if jax.default_backend() == "cpu":
+                # XLA's CPU collectives can deadlock with several multi-device programs in flight.
+                jax.block_until_ready(state)
+            bytes_so_far += trainer.program_bytes[str(trainer.phase(step))]["per_device"]
+            steps_since += 1
+            row = None
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                loss = float(out["loss"])
+                now = time.perf_counter()
+                row = {
+                    "step": step, "loss": loss, "lr": float(trainer.schedule(step - 1)),
+                    "tokens_per_s": tokens_per_step * steps_since / (now - t_last),
+                    "bytes_sent_per_device": bytes_so_far, "skipped_steps": trainer.skipped(state),
+                }
+                t_last, steps_since = now, 0
+                if not math.isfinite(loss) and cfg.nonfinite == "stop":
+                    raise FloatingPointError(f"non-finite loss {loss} at step {step} (nonfinite='stop').")
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                eval_loss = trainer.evaluate(state)
+                row = dict(row or {"step": step}, eval_loss=eval_loss)
+            if row is not None:
+                if metrics_file:
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+                progress.update(step, f"loss {row.get('loss', float('nan')):.3f}" + (f" eval {eval_loss:.3f}" if eval_loss else ""))
+                if not progress.tty:
+                    log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+            if stop_after is not None and step >= stop_after:
+                stop.requested = True
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop.requested:
+                _save(manager, step, trainer, state, {"step": step, "data": batches.state(), "bytes_sent": bytes_so_far})
+                last_saved = step
+            if stop.requested:
+                log(f"stop requested: checkpoint written at step {step}; exiting")
+                break
+    finally:
+        progress.close()
+        if metrics_file:
+            metrics_file.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        manager.close()
+    if is_main:
+        with open(os.path.join(workdir, "programs.json"), "w") as f:
+            json.dump(trainer.program_bytes, f, indent=2)
+        plot(workdir)
+    return {"last_step": last_saved, "eval_loss": eval_loss, "stopped": stop.requested, "state": state}
+
+
+def _check_replicas_identical(trainer, state):
+    """DiLoCo needs every replica to start from the same parameters: refuse otherwise."""
+    if not trainer.cfg.diloco.enabled or trainer.m == 1:
+        return
+    fn = jax.jit(jax.shard_map(
+        lambda p: lax.pmax(sum(jnp.abs(x - lax.pmean(x, "replica")).max() for x in jax.tree.leaves(p)), "replica"),
+        mesh=trainer.mesh, in_specs=trainer.param_spec, out_specs=P(), check_vma=False,
+    ))
+    gap = float(fn(state.params))
+    if gap != 0.0:
+        raise RuntimeError(f"replicas start from different parameters (max difference {gap:g}); refusing to train.")

@@ -457,7 +457,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
             _truncate_metrics(workdir, start)
     batches = trainer.dataset.train_iterator(seed=cfg.data.seed, state=data_state)
 
-    _check_replicas_identical(trainer, state)
+    _check_replicas_identical(trainer, state, resumed=latest is not None)
     stop = _Stop()
     try:
         previous = signal.signal(signal.SIGTERM, stop)
@@ -524,14 +524,19 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
     return {"last_step": last_saved, "eval_loss": eval_loss, "stopped": stop.requested, "state": state}
 
 
-def _check_replicas_identical(trainer, state):
-    """DiLoCo needs every replica to start from the same parameters: refuse otherwise."""
+def _check_replicas_identical(trainer, state, resumed):
+    """Every replica must hold the same starting point: refuse to train otherwise.
+
+    A fresh run compares the local parameters (each replica's block); a resumed
+    one compares every device's copy of the global parameters (local ones
+    differ between syncs by design). A checksum over ``replica`` on device.
+    """
     if not trainer.cfg.diloco.enabled or trainer.m == 1:
         return
-    fn = jax.jit(jax.shard_map(
-        lambda p: lax.pmax(sum(jnp.abs(x - lax.pmean(x, "replica")).max() for x in jax.tree.leaves(p)), "replica"),
-        mesh=trainer.mesh, in_specs=trainer.param_spec, out_specs=P(), check_vma=False,
-    ))
-    gap = float(fn(state.params))
+    tree, spec = (diloco.global_params(state.opt_state), P()) if resumed else (state.params, trainer.param_spec)
+    gap_fn = lambda t: lax.pmax(sum(jnp.abs(x - lax.pmean(x, "replica")).max() for x in jax.tree.leaves(t)), "replica")
+    fn = jax.jit(jax.shard_map(gap_fn, mesh=trainer.mesh, in_specs=spec, out_specs=P(), check_vma=False))
+    gap = float(fn(tree))
     if gap != 0.0:
-        raise RuntimeError(f"replicas start from different parameters (max difference {gap:g}); refusing to train.")
+        what = "global" if resumed else "initial"
+        raise RuntimeError(f"replicas hold different {what} parameters (max difference {gap:g}); refusing to train.")

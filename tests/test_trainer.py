@@ -1,0 +1,196 @@
+"""The trainer end to end: a tiny Streaming DiLoCo + LoCo run, resume, SIGTERM, two processes, bad --set."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from loco_jax import config as config_lib
+from loco_jax import trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+WORDS = (
+    "the of and to a in that is was he for it with as his on be at by this had not are but from or have an they "
+    "which one you were her all she there would their we him been has when who will more no if out so said what up"
+).split()
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    """A small corpus the tests write themselves: 4000 lines of words."""
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(12)) + "." for _ in range(4000)]
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text("\n".join(lines))
+    return str(path)
+
+
+def small_config(text_file, **overrides):
+    cfg = config_lib.Config(steps=12, batch_size=16, seq_len=32, eval_every=6, eval_batches=1, log_every=2,
+                            checkpoint_every=6)
+    m = cfg.model
+    m.d_model, m.num_layers, m.num_heads, m.d_ff, m.max_seq_len, m.compute_dtype = 32, 2, 2, 96, 32, "float32"
+    cfg.optim.warmup_steps = 2
+    cfg.mesh.replicas = 2
+    cfg.data.path = text_file
+    cfg.loco.bits = 4
+    d = cfg.diloco
+    d.enabled, d.sync_every, d.num_fragments, d.overlap, d.alpha, d.bits = True, 6, 3, 1, 0.5, 4
+    return config_lib.override(cfg, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def write_config_file(path, cfg):
+    """A configs/NAME.py that rebuilds ``cfg`` (for subprocess runs of train.py)."""
+    path.write_text(
+        "from loco_jax import config\n"
+        f"def get_config():\n    return config.from_dict({config_lib.to_dict(cfg)!r})\n"
+    )
+    return str(path)
+
+
+def quiet(*_):
+    pass
+
+
+@pytest.fixture(scope="module")
+def straight_run(text_file, tmp_path_factory):
+    """12 steps in one go: the reference for resume, and the end-to-end checks."""
+    workdir = str(tmp_path_factory.mktemp("straight"))
+    summary = trainer.train_and_evaluate(small_config(text_file), workdir, log=quiet)
+    return workdir, summary
+
+
+def test_tiny_run_learns_and_fills_the_workdir(straight_run):
+    workdir, summary = straight_run
+    rows = trainer.read_metrics(workdir)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert len(evals) == 2 and evals[-1] < evals[0], evals
+    assert all(r["skipped_steps"] == 0 for r in rows if "skipped_steps" in r)
+    assert rows[-1]["bytes_sent_per_device"] > 0
+    for name in ("config.json", "metrics.jsonl", "loss.png", "programs.json"):
+        assert os.path.getsize(os.path.join(workdir, name)) > 0, name
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12", "6"]
+    assert set(os.listdir(os.path.join(workdir, "checkpoints", "12"))) >= {"global", "replica", "device", "meta"}
+    programs = json.load(open(os.path.join(workdir, "programs.json")))
+    assert len(programs) == 4  # the plain step and one program per fragment's exchange
+    syncing = [v for k, v in programs.items() if "None" not in k]
+    assert all(v["cross_replica_per_replica"] > 0 for v in syncing)
+
+
+def test_resume_is_bit_identical_and_logs_no_step_twice(text_file, straight_run, tmp_path):
+    workdir = str(tmp_path)
+    first = trainer.train_and_evaluate(small_config(text_file), workdir, log=quiet, stop_after=7)
+    assert first["last_step"] == 7 and first["stopped"]
+    # a row logged after the last checkpoint (step 7 was checkpointed on stop, so fake a later one)
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 8, "loss": 123.0}) + "\n")
+    lines = []
+    resumed = trainer.train_and_evaluate(small_config(text_file), workdir, log=lines.append)
+    assert any("resumed from checkpoint at step 7" in line for line in lines)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, resumed["state"]), jax.tree.map(np.asarray, straight_run[1]["state"]))
+    steps = [r["step"] for r in trainer.read_metrics(workdir)]
+    assert steps == sorted(set(steps)), steps
+    assert 123.0 not in [r.get("loss") for r in trainer.read_metrics(workdir)]
+    straight_rows = trainer.read_metrics(straight_run[0])
+    resumed_rows = trainer.read_metrics(workdir)
+    key = lambda rows: [(r["step"], r.get("loss"), r.get("eval_loss")) for r in rows if r["step"] > 7]
+    assert key(resumed_rows) == key(straight_rows)
+
+
+def test_changed_model_on_resume_is_refused(text_file, straight_run):
+    with pytest.raises(ValueError, match="model.d_model"):
+        trainer.train_and_evaluate(small_config(text_file, **{"model.d_model": 48}), straight_run[0], log=quiet)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _train_cmd(config_path, workdir, *extra):
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--config", config_path, "--workdir", workdir, *extra]
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)  # each process sets its own device count
+    return env
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(text_file, tmp_path):
+    cfg = small_config(text_file, steps=400, checkpoint_every=400, eval_every=400)
+    config_path = write_config_file(tmp_path / "cfg.py", cfg)
+    workdir = str(tmp_path / "run")
+    proc = subprocess.Popen(_train_cmd(config_path, workdir), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step=4 "):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = "".join(seen) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "stop requested: checkpoint written at step" in out
+    saved = [int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")) if s.isdigit()]
+    assert saved and 4 <= max(saved) < 400
+
+
+def test_two_processes_match_one_process(text_file, tmp_path):
+    """replica across 2 processes (gloo, 4 CPU devices each) against one 8-device process; fp32 exchange."""
+    cfg = small_config(text_file, **{"loco.bits": "None", "diloco.bits": "None"})
+    config_path = write_config_file(tmp_path / "cfg.py", cfg)
+    single = str(tmp_path / "single")
+    subprocess.run(_train_cmd(config_path, single), env=_env(), check=True, capture_output=True, timeout=600)
+    multi = str(tmp_path / "multi")
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            _train_cmd(config_path, multi, "--coordinator", f"localhost:{port}", "--num-processes", "2",
+                       "--process-id", str(i), "--local-devices", "4"),
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    a, b = trainer.read_metrics(single), trainer.read_metrics(multi)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        # same programs and data; only the order of the cross-process sums may differ
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5, abs=1e-5)
+        if "eval_loss" in ra:
+            assert ra["eval_loss"] == pytest.approx(rb["eval_loss"], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "assignment,match",
+    [
+        ("diloco.sync_evry=5", "unknown key 'diloco.sync_evry'"),
+        ("steps=many", "steps='many': expected an int"),
+        ("loco.bits=four", "loco.bits='four': expected an int"),
+        ("diloco.enabled=maybe", "expected a bool"),
+        ("seq_len=4096", "seq_len=4096 exceeds model.max_seq_len"),
+    ],
+)
+def test_bad_set_values_fail_before_anything_compiles(assignment, match, tmp_path):
+    result = subprocess.run(
+        _train_cmd(os.path.join(ROOT, "configs", "tiny.py"), str(tmp_path / "wd"), "--set", assignment),
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert match in result.stderr, result.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "wd"), "nothing written for a bad config"

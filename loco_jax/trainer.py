@@ -232,9 +232,21 @@ class Trainer:
         self.mcfg = model_config(cfg)
         self.tx = make_optimizer(cfg)
         self.schedule = learning_rate_schedule(cfg)
-        self.dataset = Dataset(cfg, log)
+        self._dataset = None
         self._programs, self.program_bytes = {}, {}
         self.param_spec = P("replica") if cfg.diloco.enabled else P()
+
+    @property
+    def dataset(self):
+        """Loaded on first use (benchmarks that only compile need no data)."""
+        if self._dataset is None:
+            self._dataset = Dataset(self.cfg, self.log)
+        return self._dataset
+
+    def abstract_batch(self):
+        shape = (self.cfg.batch_size, self.cfg.seq_len)
+        sharding = NamedSharding(self.mesh, BATCH_SPEC)
+        return (jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),) * 2
 
     # ------------------------------------------------------------ state
 
@@ -438,6 +450,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
     os.makedirs(workdir, exist_ok=True)
     _check_resume_config(workdir, cfg, log)
     trainer = Trainer(cfg, workdir, log)
+    trainer.dataset  # load (or download) the data before anything compiles
     is_main = jax.process_index() == 0
     if is_main:
         with open(os.path.join(workdir, "config.json"), "w") as f:

@@ -21,6 +21,15 @@ def test_recipe_runs_and_sends_only_uint8_gradient_payloads():
     assert gradient_sized and all(op.dtype == "u8" for op in gradient_sized), report.table()
 
 
+def test_diloco_snippet_runs():
+    code = re.findall(r"```python\n(.*?)```", README, re.S)[1]
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    state, tx = scope["state"], scope["tx"]
+    assert int(state.step) == 12 and int(state.skipped) == 0
+    assert [tx.phase(t).apply for t in (7, 9, 11)] == [0, 1, 2]  # every fragment synced once
+
+
 def test_ci_runs_the_readme_test_command():
     commands = [line.strip() for line in README.splitlines() if line.startswith("    python3 -m venv")]
     assert len(commands) == 2, commands

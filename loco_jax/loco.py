@@ -239,7 +239,10 @@ def compress(
             return CompressState(count, count, key)
         m = coll.axis_size(axis_name)
         leaves = jax.tree.leaves(params)
-        device_axes = coll.manual_axes()  # error buffers are per device
+        # The error buffers vary as the gradients will: over axis_name and over every axis the
+        # parameters vary over (e.g. DiLoCo's replica axis), so the updates keep the parameters' type.
+        param_axes = set().union(*(coll.varying_axes(x) for x in leaves)) if leaves else set()
+        device_axes = tuple(a for a in coll.manual_axes() if a == axis_name or a in param_axes)
 
         def zeros(shape):
             values, scales = quant.stored_zeros(shape, error_bits, block_size=block_size)

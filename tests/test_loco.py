@@ -384,3 +384,22 @@ def test_reduce_scatter_needs_divisible_leaves(data_mesh):
     f = jax.shard_map(lambda g: tx.update({"w": g}, tx.init({"w": g[:1]}))[0]["w"], mesh=data_mesh, in_specs=P("data"), out_specs=P("data"))
     with pytest.raises(ValueError, match="multiple of 8"):
         jax.jit(f)(g)
+
+
+def test_replicated_parameters_keep_invariant_updates_on_a_two_axis_mesh(mesh):
+    """Data parallel on a (replica, data) mesh: errors vary like the gradients, updates stay replicated."""
+    params = {"w": jnp.full((64, 8), 0.1)}
+    tx = optax.chain(loco.compress(bits=4, axis_name="data"), optax.adam(1e-2))
+    specs = loco.state_specs(tx, params, mesh)
+    assert specs[0].error[0] == P("data") and specs[1][0].mu["w"] == P()
+
+    def step(params, state, x):
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(lax.pcast(params, "data", to="varying"))
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    # the batch is split over data only; the replica axis holds copies, so types and values agree
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)))
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    new, state = f(params, state, put(mesh, gaussian((16, 64)), P("data")))
+    assert np.mean(np.asarray(new["w"]) != np.float32(0.1)) > 0.5  # Adam moved most weights

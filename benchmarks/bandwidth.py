@@ -144,13 +144,14 @@ def main():
               f"({len(programs)} programs, {time.time() - t0:.0f} s)", flush=True)
 
     fp32 = rows[0][4]
-    bf16_wire = fp32 / 2  # what a bf16 all-reduce puts on the wire where it is not widened (GPU)
+    bf16_wire = fp32 / 2  # a bf16 all-reduce's bytes where the backend does not widen it (GPU)
+    (_, bf16_dtypes, _, _, bf16_total), rows = rows[1], [rows[0]] + rows[2:]
     lines = [
         f"Model `{args.model}` ({n:,} parameters), M = {m} replicas x D = {d} data devices, H = {h}, P = {p}. "
         "Bytes per replica = bytes of the collectives whose groups span `replica`, summed over the replica's D devices, "
-        "read from the compiled HLO of every phase program.",
+        "read from the compiled HLO of every phase program; a period of H steps in steady state.",
         "",
-        "| variant | payload dtype in HLO | avg bytes / step | peak bytes / step | bytes per H steps | vs bf16 DP | vs fp32 DP |",
+        "| variant | payload dtype in HLO | avg bytes / step | peak bytes / step | bytes per H steps | fewer bits than bf16 DP | than fp32 DP |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for name, dtypes, avg, peak, total in rows:
@@ -158,17 +159,16 @@ def main():
             f"| {name} | {', '.join(dtypes)} | {common.human(avg)} | {common.human(peak)} | {common.human(total)} | "
             f"{bf16_wire / total:,.1f}x | {fp32 / total:,.1f}x |"
         )
-    bf16_row = rows[1]
     lines += [
         "",
-        f"The bf16 data-parallel program compiles to a `{', '.join(bf16_row[1])}` all-reduce on the CPU backend "
-        f"({common.human(bf16_row[4])} per H steps): XLA's CPU backend widens bf16 all-reduces. The 'vs bf16 DP' column "
-        "uses half the fp32 bytes, what a bf16 all-reduce puts on the wire where it is not widened (GPU).",
+        f"bf16 data parallel: the same all-reduce in bf16 compiles to a `{', '.join(bf16_dtypes)}` all-reduce on the "
+        f"CPU backend ({common.human(bf16_total)} per H steps, no saving): XLA's CPU backend widens bf16 all-reduces. "
+        f"The bf16 baseline column therefore uses half the fp32 bytes ({common.human(bf16_wire)} per H steps), what a "
+        "bf16 all-reduce puts on the wire where it is not widened (GPU). At M = 2 the all-gather and two-stage forms "
+        "move the same bytes; for M > 2 the all-gather form grows as (M-1) against 2(M-1)/M, so the reduction "
+        "factors hold for the two-stage form at any M and for the all-gather form at M = 2.",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        common.write_section(HEADING, text, extra_args=sys.argv[1:])
+    common.report(HEADING, "\n".join(lines), no_write=args.no_write, extra_args=sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import platform
 import re
 import shlex
 import sys
+import time
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -28,19 +29,47 @@ RESULTS = os.path.join(ROOT, "docs", "results.md")
 
 
 def human(n: float) -> str:
-    """Bytes in binary units: 6144 -> '6.00 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+    """Bytes in binary units: 6144 -> '6.00 KiB' (the library's formatter)."""
+    from loco_jax.hlo import human_bytes
+
+    return human_bytes(n)
+
+
+def cpu_model() -> str:
+    """The processor's name; ``platform.processor()`` is empty (or just the architecture) on many Linux systems."""
+    name = platform.processor()
+    if name and name != platform.machine():
+        return name
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return name or "unknown processor"
+
+
+def load_average() -> str:
+    """The 1-minute load average ('7.4'), or 'n/a' where the system has none."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except (AttributeError, OSError):
+        return "n/a"
+
+
+def start():
+    """The start of a run, for ``write_section(..., started=start())``: (clock, load average)."""
+    return time.perf_counter(), load_average()
 
 
 def machine() -> str:
     import jax
 
-    cpu = platform.processor() or platform.machine()
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}, Python {platform.python_version()}, jax {jax.__version__} ({jax.default_backend()})"
+    return (
+        f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores, {platform.system()}, "
+        f"Python {platform.python_version()}, jax {jax.__version__} ({jax.device_count()} {jax.default_backend()} devices)"
+    )
 
 
 def command(script: str, extra_args) -> str:
@@ -48,13 +77,20 @@ def command(script: str, extra_args) -> str:
     return "python " + " ".join([rel] + [shlex.quote(a) for a in extra_args])
 
 
-def write_section(heading: str, body: str, *, extra_args=(), script=None, path=RESULTS):
-    """Replaces (or appends) the section ``heading`` of docs/results.md; other sections are kept."""
+def write_section(heading: str, body: str, *, extra_args=(), script=None, path=RESULTS, started=None):
+    """Replaces (or appends) the section ``heading`` of docs/results.md; other sections are kept.
+
+    ``started`` (from :func:`start`) adds the run's duration and the load average at its start.
+    """
     script = script or sys.argv[0]
+    took, load = "", load_average()
+    if started is not None:
+        took = f" ({time.perf_counter() - started[0]:.0f} s)"
+        load = f"{started[1]} at the start, {load} at the end"
     stamp = (
-        f"Command: `{command(script, extra_args)}`  \n"
+        f"Command: `{command(script, extra_args)}`{took}  \n"
         f"Machine: {machine()}  \n"
-        f"Date: {datetime.date.today().isoformat()}\n"
+        f"Date: {datetime.date.today().isoformat()}; 1-minute load average {load}\n"
     )
     section = f"{heading}\n\n{stamp}\n{body.rstrip()}\n"
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -66,3 +102,10 @@ def write_section(heading: str, body: str, *, extra_args=(), script=None, path=R
         text = text.rstrip() + "\n\n" + section
     with open(path, "w") as f:
         f.write(text.rstrip() + "\n")
+
+
+def report(heading: str, text: str, *, no_write: bool, extra_args=(), **kwargs):
+    """Prints a benchmark's tables and, unless ``no_write``, puts them into docs/results.md."""
+    print(text)
+    if not no_write:
+        write_section(heading, text, extra_args=extra_args, **kwargs)

@@ -134,10 +134,7 @@ def main():
             "| config | tokens/s | ms/step | time vs ddp |",
             "|---|---:|---:|---:|",
         ] + [f"| {n} | {tps:,.0f} | {ms * 1e3:.0f} | {ratio:.2f}x |" for n, tps, ms, ratio in rows]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        common.write_section(HEADING, text, extra_args=sys.argv[1:])
+    common.report(HEADING, "\n".join(lines), no_write=args.no_write, extra_args=sys.argv[1:])
 
 
 if __name__ == "__main__":

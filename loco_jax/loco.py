@@ -363,6 +363,30 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def error_rms(state, block_size: int = quant.DEFAULT_BLOCK_SIZE, error_bits: int | None = 8):
+    """Root-mean-square of every stored LoCo error in an optax state (a diagnostic).
+
+    Call inside ``shard_map``: finds the :class:`CompressState` nodes of the
+    tree, decodes their error buffers and averages the squares over every
+    device. Compare it with the gradient's RMS to see how much of the signal
+    the compensation carries. 0 when nothing is stored.
+    """
+    total, count = jnp.zeros((), jnp.float32), 0
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CompressState))
+    for node in nodes:
+        if not isinstance(node, CompressState):
+            continue
+        for values, scales in zip(node.error + node.error2, node.error_scale + node.error2_scale):
+            bits = error_bits if scales is not None else None
+            e = quant.load(values, scales, bits, block_size=block_size)
+            total, count = total + jnp.sum(e * e), count + e.size
+    mean = total / max(count, 1)
+    axes = coll.manual_axes()
+    if axes:
+        mean = lax.pmean(coll.to_varying(mean, axes), axes)
+    return jnp.sqrt(mean)
+
+
 # --------------------------------------------------------------------------
 # PartitionSpecs of the state (for shard_map out_specs and checkpoints)
 

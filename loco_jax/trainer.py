@@ -101,7 +101,10 @@ def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None):
     extra = {} if phase is None else {"phase": phase}
     updates, opt_state = tx.update(grads, opt_state, params, **extra)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": lax.pmean(loss, ("replica", "data"))}
+    grad_sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+    grad_rms = jnp.sqrt(grad_sq / sum(g.size for g in jax.tree.leaves(grads)))  # this device's local gradient
+    metrics = {"loss": lax.pmean(loss, ("replica", "data")), "grad_rms": lax.pmean(grad_rms, ("replica", "data"))}
+    return params, opt_state, metrics
 
 
 def eval_step(mcfg, params, inputs, targets):
@@ -299,6 +302,17 @@ class Trainer:
                 jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), BATCH_SPEC, BATCH_SPEC), out_specs=P())
             )
         return self._programs["eval"]
+
+    def loco_error_rms(self, state):
+        """RMS of LoCo's stored errors over every device (a diagnostic for the metrics)."""
+        if self.cfg.loco.bits is None or not self.cfg.loco.compensate:
+            return None
+        if "diag" not in self._programs:
+            fn = lambda s: loco.error_rms(s, self.cfg.loco.block_size, self.cfg.loco.error_bits)
+            self._programs["diag"] = jax.jit(
+                jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs.opt_state,), out_specs=P())
+            )
+        return float(self._programs["diag"](state.opt_state))
 
     def eval_params(self, state):
         if self.cfg.diloco.enabled:
@@ -501,7 +515,12 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
                     "step": step, "loss": loss, "lr": float(trainer.schedule(step - 1)),
                     "tokens_per_s": tokens_per_step * steps_since / (now - t_last),
                     "bytes_sent_per_device": bytes_so_far, "skipped_steps": trainer.skipped(state),
+                    "grad_rms": float(out["grad_rms"]),
                 }
+                error_rms = trainer.loco_error_rms(state)
+                if error_rms is not None:
+                    row["loco_error_rms"] = error_rms
+                    row["loco_error_to_grad"] = error_rms / max(row["grad_rms"], 1e-30)
                 t_last, steps_since = now, 0
                 if not math.isfinite(loss) and cfg.nonfinite == "stop":
                     raise FloatingPointError(f"non-finite loss {loss} at step {step} (nonfinite='stop').")

@@ -403,3 +403,15 @@ def test_replicated_parameters_keep_invariant_updates_on_a_two_axis_mesh(mesh):
     state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
     new, state = f(params, state, put(mesh, gaussian((16, 64)), P("data")))
     assert np.mean(np.asarray(new["w"]) != np.float32(0.1)) > 0.5  # Adam moved most weights
+
+
+def test_error_rms_diagnostic_matches_the_decoded_buffers(data_mesh):
+    n = M * 256
+    tx = loco.compress(bits=2)
+    state, update = _runner(data_mesh, tx, {"w": jnp.zeros((n,))})
+    for t in range(3):
+        _, state = update({"w": put(data_mesh, gaussian((M * n,), seed=t), P("data"))}, state)
+    specs = loco.state_specs(tx, {"w": jnp.zeros((n,))}, data_mesh)
+    got = jax.jit(jax.shard_map(loco.error_rms, mesh=data_mesh, in_specs=(specs,), out_specs=P()))(state)
+    want = np.sqrt(np.mean(_stored_error(state) ** 2))
+    assert float(got) == pytest.approx(want, rel=1e-5) and want > 0

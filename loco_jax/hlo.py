@@ -216,11 +216,12 @@ def _depth_change(text: str) -> int:
     )
 
 
-def _match_close(text: str, start: int) -> int:
-    """Index of the bracket closing the one at ``text[start]``."""
-    depth = 0
-    in_str = False
-    esc = False
+def _walk(text: str, start: int = 0):
+    """``(index, char, depth)`` of each character outside double-quoted strings.
+
+    ``depth`` counts the brackets open after that character.
+    """
+    depth, in_str, esc = 0, False, False
     for i in range(start, len(text)):
         ch = text[i]
         if in_str:
@@ -233,47 +234,29 @@ def _match_close(text: str, start: int) -> int:
             continue
         if ch == '"':
             in_str = True
-        elif ch in _OPEN:
+            continue
+        if ch in _OPEN:
             depth += 1
         elif ch in _CLOSE:
             depth -= 1
-            if depth == 0:
-                return i
+        yield i, ch, depth
+
+
+def _match_close(text: str, start: int) -> int:
+    """Index of the bracket closing the one at ``text[start]``."""
+    for i, ch, depth in _walk(text, start):
+        if ch in _CLOSE and depth == 0:
+            return i
     raise ValueError(f"unbalanced brackets in {text!r}")
 
 
 def _split_top(text: str, sep: str = ",") -> list[str]:
     """Split at ``sep`` characters that are outside brackets and strings."""
-    parts = []
-    depth = 0
-    in_str = False
-    esc = False
-    cur: list[str] = []
-    for ch in text:
-        if in_str:
-            cur.append(ch)
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-            continue
-        if ch == '"':
-            in_str = True
-        elif ch in _OPEN:
-            depth += 1
-        elif ch in _CLOSE:
-            depth -= 1
-        if ch == sep and depth == 0:
-            parts.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    tail = "".join(cur).strip()
-    if tail:
-        parts.append(tail)
-    return parts
+    cuts = [i for i, ch, depth in _walk(text) if ch == sep and depth == 0]
+    pieces = [text[i + 1 : j].strip() for i, j in zip([-1] + cuts, cuts + [len(text)])]
+    if pieces and not pieces[-1]:
+        pieces.pop()  # a trailing separator leaves nothing behind
+    return pieces
 
 
 def _tuple_elements(shape_text: str) -> list[str]:

@@ -362,6 +362,17 @@ def _truncate_metrics(workdir, last_step):
             f.write(json.dumps(r) + "\n")
 
 
+def summary_table(workdir) -> str:
+    """The eval rows of a run as a small text table (printed at the end of a run)."""
+    rows = [r for r in read_metrics(workdir) if "eval_loss" in r]
+    lines = ["  step   train loss   eval loss   bytes sent / device", "  ----   ----------   ---------   -------------------"]
+    for r in rows:
+        train = f"{r['loss']:10.3f}" if "loss" in r else " " * 10
+        sent = hlo.human_bytes(r["bytes_sent_per_device"]) if "bytes_sent_per_device" in r else ""
+        lines.append(f"  {r['step']:4d}   {train}   {r['eval_loss']:9.3f}   {sent:>19}")
+    return "\n".join(lines)
+
+
 def plot(workdir, out=None):
     """Writes ``loss.png``: train and eval loss against step."""
     import matplotlib
@@ -552,7 +563,8 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
     if is_main:
         with open(os.path.join(workdir, "programs.json"), "w") as f:
             json.dump(trainer.program_bytes, f, indent=2)
-        plot(workdir)
+        log(summary_table(workdir))
+        log(f"loss plot: {plot(workdir)}; metrics: {_metrics_path(workdir)}")
     return {"last_step": last_saved, "eval_loss": eval_loss, "stopped": stop.requested, "state": state}
 
 

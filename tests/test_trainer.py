@@ -114,6 +114,15 @@ def test_changed_model_on_resume_is_refused(text_file, straight_run):
         trainer.train_and_evaluate(small_config(text_file, **{"model.d_model": 48}), straight_run[0], log=quiet)
 
 
+def test_raising_steps_extends_the_run(text_file, straight_run):
+    lines = []
+    summary = trainer.train_and_evaluate(small_config(text_file, steps=14), straight_run[0], log=lines.append)
+    assert any("steps changed 12 -> 14" in line for line in lines), lines
+    assert summary["last_step"] == 14
+    steps = [r["step"] for r in trainer.read_metrics(straight_run[0])]
+    assert steps[-1] == 14 and steps == sorted(set(steps))
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("localhost", 0))

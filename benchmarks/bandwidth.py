@@ -35,7 +35,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from loco_jax import diloco, fragments, hlo  # noqa: E402
+from loco_jax import collectives, diloco, fragments, hlo  # noqa: E402
 
 HEADING = "## Bandwidth per replica: data parallel vs DiLoCo vs Streaming DiLoCo (benchmarks/bandwidth.py)"
 MODELS = {
@@ -83,6 +83,23 @@ def data_parallel(shapes, mesh, dtype):
     return f.lower(grads).compile()
 
 
+def data_parallel_loco(shapes, mesh, bits):
+    """Every step: LoCo's quantized all-reduce over ``replica`` on each device's 1/D shard (hierarchical form).
+
+    The same payload ``loco.compress`` sends, with the exact reduce-scatter and all-gather over ``data``.
+    """
+
+    def step(grads):
+        return collectives.quantized_pmean(grads, "replica", bits=bits, fast_axis="data")
+
+    spec = P(("replica", "data"))
+    grads = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct((s.shape[0] * 8,) + s.shape[1:], s.dtype, sharding=NamedSharding(mesh, spec)),
+        shapes,
+    )
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)).lower(grads).compile()
+
+
 def diloco_programs(shapes, mesh, **kwargs):
     """Compiled step program of every distinct phase: {phase: compiled}."""
     m = mesh.shape["replica"]
@@ -103,28 +120,16 @@ def diloco_programs(shapes, mesh, **kwargs):
     return tx, out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="1b")
-    parser.add_argument("--sync-every", type=int, default=100)
-    parser.add_argument("--fragments", type=int, default=9)
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args()
-
-    mesh = jax.make_mesh((2, 4), ("replica", "data"))
-    m, d = 2, 4
-    shapes = MODELS[args.model]()
-    n = fragments.count_params(shapes)
-    h, p = args.sync_every, args.fragments
-    print(f"model {args.model}: {n:,} parameters; mesh (replica, data) = ({m}, {d}); H = {h}, P = {p}", flush=True)
-
-    rows = []  # (name, dtypes, bytes per step avg, peak, total per H steps)
+def measure(model, mesh, m, d, h, p):
+    """Rows (name, payload dtypes, avg bytes/step, peak bytes/step, bytes per H steps) for one model."""
+    shapes = MODELS[model]()
+    rows = []
     for name, dtype in (("data parallel fp32", jnp.float32), ("data parallel bf16", jnp.bfloat16)):
-        t0 = time.time()
         b, dtypes = replica_bytes(data_parallel(shapes, mesh, dtype), m, d)
         rows.append((name, dtypes, b, b, b * h))
-        print(f"  {name}: {common.human(b)} per step ({time.time() - t0:.0f} s)", flush=True)
-
+    for bits in (8, 4, 2, 1):
+        b, dtypes = replica_bytes(data_parallel_loco(shapes, mesh, bits), m, d)
+        rows.append((f"data parallel LoCo {bits}-bit", dtypes, b, b, b * h))
     variants = [
         ("DiLoCo fp32 (P=1)", dict(num_fragments=1, overlap=0)),
         (f"Streaming DiLoCo fp32 (P={p}, tau=1)", dict(num_fragments=p, overlap=1)),
@@ -140,34 +145,62 @@ def main():
         per_step = [per_phase[tx.phase(t)][0] for t in range(h + 1, 2 * h + 1)]  # one period in steady state
         dtypes = sorted({x for _, dt in per_phase.values() for x in dt})
         rows.append((name, dtypes, sum(per_step) / h, max(per_step), sum(per_step)))
-        print(f"  {name}: {common.human(sum(per_step))} per {h} steps, peak {common.human(max(per_step))} "
+        print(f"  {model} {name}: {common.human(sum(per_step))} per {h} steps, peak {common.human(max(per_step))} "
               f"({len(programs)} programs, {time.time() - t0:.0f} s)", flush=True)
+    return fragments.count_params(shapes), rows
 
+
+def table(model, n, rows, m, d, h, p, run_steps):
     fp32 = rows[0][4]
     bf16_wire = fp32 / 2  # a bf16 all-reduce's bytes where the backend does not widen it (GPU)
     (_, bf16_dtypes, _, _, bf16_total), rows = rows[1], [rows[0]] + rows[2:]
     lines = [
-        f"Model `{args.model}` ({n:,} parameters), M = {m} replicas x D = {d} data devices, H = {h}, P = {p}. "
-        "Bytes per replica = bytes of the collectives whose groups span `replica`, summed over the replica's D devices, "
-        "read from the compiled HLO of every phase program; a period of H steps in steady state.",
+        f"### `{model}`: {n:,} parameters",
         "",
-        "| variant | payload dtype in HLO | avg bytes / step | peak bytes / step | bytes per H steps | fewer bits than bf16 DP | than fp32 DP |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        f"M = {m} replicas x D = {d} data devices, H = {h}, P = {p}; a run of {run_steps:,} steps.",
+        "",
+        "| variant | payload in HLO | avg bytes / step | peak bytes / step | per H steps | whole run | fewer bits than bf16 DP | than fp32 DP |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, dtypes, avg, peak, total in rows:
         lines.append(
             f"| {name} | {', '.join(dtypes)} | {common.human(avg)} | {common.human(peak)} | {common.human(total)} | "
-            f"{bf16_wire / total:,.1f}x | {fp32 / total:,.1f}x |"
+            f"{common.human(avg * run_steps)} | {bf16_wire / total:,.1f}x | {fp32 / total:,.1f}x |"
         )
     lines += [
         "",
-        f"bf16 data parallel: the same all-reduce in bf16 compiles to a `{', '.join(bf16_dtypes)}` all-reduce on the "
-        f"CPU backend ({common.human(bf16_total)} per H steps, no saving): XLA's CPU backend widens bf16 all-reduces. "
-        f"The bf16 baseline column therefore uses half the fp32 bytes ({common.human(bf16_wire)} per H steps), what a "
-        "bf16 all-reduce puts on the wire where it is not widened (GPU). At M = 2 the all-gather and two-stage forms "
-        "move the same bytes; for M > 2 the all-gather form grows as (M-1) against 2(M-1)/M, so the reduction "
-        "factors hold for the two-stage form at any M and for the all-gather form at M = 2.",
+        f"bf16 data parallel compiles to a `{', '.join(bf16_dtypes)}` all-reduce on the CPU backend "
+        f"({common.human(bf16_total)} per H steps, no saving), so the bf16 column uses half the fp32 bytes.",
+        "",
     ]
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "125m", "1b"])
+    parser.add_argument("--sync-every", type=int, default=100)
+    parser.add_argument("--fragments", type=int, default=9)
+    parser.add_argument("--run-steps", type=int, default=88_000, help="steps of a whole run (diloco_1b: 88,000)")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+
+    mesh = jax.make_mesh((2, 4), ("replica", "data"))
+    m, d, h, p = 2, 4, args.sync_every, args.fragments
+    lines = [
+        "Bytes per replica = bytes of the collectives whose groups span `replica`, summed over the replica's D "
+        "devices, read from the compiled HLO of every program (every DiLoCo phase; a period of H steps in steady "
+        "state). Data parallel is the hierarchical all-reduce (exact reduce-scatter over `data`, all-reduce of the "
+        "1/D shard over `replica`, all-gather over `data`); its LoCo rows send LoCo's two-stage quantized payload "
+        "over `replica`. XLA's CPU backend widens bf16 all-reduces to f32, so the bf16 baseline is half the fp32 "
+        "bytes, what a bf16 all-reduce puts on the wire where it is not widened (GPU). At M = 2 the all-gather and "
+        "two-stage forms move the same bytes; for M > 2 the all-gather form grows as (M-1) against 2(M-1)/M, so the "
+        "reduction factors hold for the two-stage form at any M and for the all-gather form at M = 2.",
+        "",
+    ]
+    for model in args.models:
+        n, rows = measure(model, mesh, m, d, h, p)
+        lines += table(model, n, rows, m, d, h, p, args.run_steps)
     common.report(HEADING, "\n".join(lines), no_write=args.no_write, extra_args=sys.argv[1:])
 
 

@@ -33,6 +33,10 @@ its scale to NaN, so it decodes to NaN and the caller sees it, exactly as an
 exact sum would propagate it. ``finite_blocks(scales)`` tells which blocks
 were clean.
 
+Subnormal inputs (below float32's smallest normal, 1.2e-38) are treated as
+zero, as XLA's flush-to-zero arithmetic on CPU and GPU would treat them
+anyway; doing it explicitly makes every format agree on it.
+
 Codes are unsigned: ``q + qmax`` for the integer formats, the sign bit for
 1 bit (1 = +1), ``sign << 3 | e`` for e3m0. ``pack`` puts ``8 / b`` codes into
 each byte (exact inverse: ``unpack``). ``encode`` / ``decode`` lay out a whole
@@ -95,6 +99,7 @@ def quantize(x, bits, *, format="int", key=None):
     x = jnp.asarray(x, jnp.float32)
     finite = jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
     x = jnp.where(finite, x, 0.0)  # detect before rounding: nothing garbage reaches the codes
+    x = jnp.where(jnp.abs(x) < jnp.finfo(jnp.float32).tiny, 0.0, x)  # subnormals flush to zero, explicitly
     absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     noise = None if key is None else _uniform(key, x.shape)
 

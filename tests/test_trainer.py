@@ -109,6 +109,12 @@ def test_resume_is_bit_identical_and_logs_no_step_twice(text_file, straight_run,
     assert key(resumed_rows) == key(straight_rows)
 
 
+def test_same_config_and_seed_give_bit_identical_losses(text_file, straight_run, tmp_path):
+    trainer.train_and_evaluate(small_config(text_file), str(tmp_path), log=quiet)
+    key = lambda rows: [(r["step"], r.get("loss"), r.get("eval_loss"), r.get("loco_error_rms")) for r in rows if r["step"] <= 12]
+    assert key(trainer.read_metrics(str(tmp_path))) == key(trainer.read_metrics(straight_run[0]))
+
+
 def test_changed_model_on_resume_is_refused(text_file, straight_run):
     with pytest.raises(ValueError, match="model.d_model"):
         trainer.train_and_evaluate(small_config(text_file, **{"model.d_model": 48}), straight_run[0], log=quiet)

@@ -153,9 +153,10 @@ class Dataset:
             d.path, tokenizer=d.tokenizer, vocab_size=d.sp_vocab_size if sp else None, cache_dir=d.cache_dir
         )
         if self.tokens.vocab_size > cfg.model.vocab_size:
+            source = f"the token file {d.path!r}" if d.path and data_lib.is_token_file(d.path) else f"the {d.tokenizer} tokenizer"
             raise ValueError(
-                f"the {d.tokenizer} tokenizer has {self.tokens.vocab_size} tokens but model.vocab_size="
-                f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.tokens.vocab_size}."
+                f"{source} uses {self.tokens.vocab_size} token ids but model.vocab_size={cfg.model.vocab_size}; "
+                f"raise model.vocab_size to at least {self.tokens.vocab_size}."
             )
         self.cfg = cfg
         self.process, self.processes = jax.process_index(), jax.process_count()
@@ -234,6 +235,8 @@ class Trainer:
             raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {n_dev} devices of the mesh.")
         self.mcfg = model_config(cfg)
         self.tx = make_optimizer(cfg)
+        if cfg.diloco.enabled:
+            self.tx.plan(model_lib.abstract_params(self.mcfg))  # fragments checked before anything compiles
         self.schedule = learning_rate_schedule(cfg)
         self._dataset = None
         self._programs, self.program_bytes = {}, {}
@@ -472,6 +475,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
 
     ``stop_after``: checkpoint after that step and return, as a pre-emption would (tests, schedulers).
     """
+    config_lib.validate(cfg)
     os.makedirs(workdir, exist_ok=True)
     _check_resume_config(workdir, cfg, log)
     trainer = Trainer(cfg, workdir, log)
@@ -491,8 +495,8 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
         state, meta = _restore(manager, latest, trainer)
         start, data_state, bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
         log(f"resumed from checkpoint at step {start}")
-        if is_main:
-            _truncate_metrics(workdir, start)
+    if is_main:
+        _truncate_metrics(workdir, start)  # rows logged after the checkpoint (or with none) come again
     batches = trainer.dataset.train_iterator(seed=cfg.data.seed, state=data_state)
 
     _check_replicas_identical(trainer, state, resumed=latest is not None)

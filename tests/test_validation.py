@@ -1,0 +1,88 @@
+"""Bad settings fail before anything compiles, with a message naming the value and what is allowed."""
+
+import os
+
+import numpy as np
+import pytest
+
+from loco_jax import config as config_lib
+from loco_jax import trainer
+from tests.test_trainer import quiet, small_config, text_file  # noqa: F401  (the corpus fixture)
+
+
+def _token_file(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+CASES = [
+    # (overrides or a callable(tmp_path) -> overrides, exception, message)
+    ({"loco.bits": "3"}, ValueError, "bits=3 is not supported; choose one of"),
+    ({"loco.bits": "16"}, ValueError, "bits=16"),
+    ({"loco.block_size": "0"}, ValueError, "block_size=0 must be a positive integer"),
+    ({"loco.block_size": "100"}, ValueError, "block_size=100 must be a multiple of 8"),
+    ({"loco.beta": "1.5"}, ValueError, r"beta=1.5 must lie in \[0, 1\)"),
+    ({"loco.error_bits": "5"}, ValueError, "error_bits=5 is not supported"),
+    ({"diloco.bits": "3"}, ValueError, "bits=3 is not supported"),
+    ({"diloco.format": "e3m0", "diloco.bits": "8"}, ValueError, "format='e3m0' is a 4-bit format"),
+    ({"diloco.format": "fp4"}, ValueError, "format='fp4' is unknown"),
+    ({"diloco.sync_every": "0"}, ValueError, "sync_every=0 must be a positive integer"),
+    ({"diloco.sync_every": "2", "diloco.num_fragments": "3", "diloco.overlap": "0"}, ValueError,
+     "num_fragments=3 exceeds sync_every=2"),
+    ({"diloco.overlap": "2"}, ValueError, r"overlap=2 must be an integer in \[0, floor\(H / P\)\) = \[0, 2\)"),
+    ({"diloco.overlap": "-1"}, ValueError, "overlap=-1"),
+    ({"diloco.alpha": "1.5"}, ValueError, r"alpha=1.5 must lie in \[0, 1\]"),
+    ({"diloco.mode": "ring"}, ValueError, "mode='ring' is unknown"),
+    ({"diloco.num_fragments": "5", "diloco.overlap": "0"}, ValueError, "num_fragments=5 puts the 2 transformer blocks into 4 fragments"),
+    ({"mesh.replicas": "3"}, ValueError, "mesh.replicas=3 x mesh.fsdp=1 does not divide the 8 devices"),
+    ({"mesh.data": "2"}, ValueError, "needs 4 devices, but 8 are visible"),
+    ({"diloco.enabled": "false"}, ValueError, "mesh.replicas=2 needs diloco.enabled=True"),
+    ({"batch_size": "12"}, ValueError, "batch_size=12 must be a multiple of the 8 devices"),
+    ({"seq_len": "64"}, ValueError, "seq_len=64 exceeds model.max_seq_len=32"),
+    ({"steps": "0"}, ValueError, "steps=0 must be a positive integer"),
+    ({"nonfinite": "ignore"}, ValueError, "nonfinite='ignore' must be 'skip' or 'stop'"),
+    ({"data.tokenizer": "words"}, ValueError, "data.tokenizer='words' must be 'byte' or 'sentencepiece'"),
+    (lambda tmp: {"data.path": str(tmp / "missing.txt")}, FileNotFoundError, "missing.txt"),
+    (lambda tmp: {"data.path": str((tmp / "empty").mkdir() or (tmp / "empty"))}, ValueError, "empty"),
+    (lambda tmp: {"data.path": _token_file(tmp, "tokens.u16.bin", b"\x01\x00\x02")}, ValueError, "multiple of"),
+    (lambda tmp: {"data.path": _token_file(tmp, "big.u16.bin", np.array([1, 300], np.uint16).tobytes() * 400)},
+     ValueError, "uses 301 token ids but model.vocab_size=256; raise model.vocab_size to at least 301"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,match", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_bad_setting_fails_early_and_writes_nothing(text_file, tmp_path, overrides, error, match):  # noqa: F811
+    if callable(overrides):
+        overrides = overrides(tmp_path)
+    workdir = tmp_path / "run"
+    with pytest.raises(error, match=match):
+        cfg = small_config(text_file, **overrides)
+        trainer.train_and_evaluate(cfg, str(workdir), log=quiet)
+    assert not workdir.exists() or not any(workdir.iterdir()), "nothing may be written for a bad setting"
+
+
+@pytest.mark.parametrize(
+    "assignment,match",
+    [
+        ("loco.bitz=4", "unknown key 'loco.bitz'. Valid keys:"),
+        ("steps=1.5", "steps='1.5': expected an int"),
+        ("diloco.alpha=half", "diloco.alpha='half': expected a float"),
+        ("diloco.enabled=2", "expected a bool"),
+        ("nokey", "expected key=value"),
+    ],
+)
+def test_unknown_keys_and_wrong_types(assignment, match):
+    with pytest.raises(ValueError, match=match):
+        config_lib.override(config_lib.Config(), [assignment])
+
+
+def test_changed_optimizer_and_model_shape_on_resume_are_refused(text_file, tmp_path):  # noqa: F811
+    workdir = str(tmp_path)
+    trainer.train_and_evaluate(small_config(text_file, steps=2, checkpoint_every=2, eval_every=2), workdir, log=quiet)
+    before = sorted(os.listdir(tmp_path)), open(tmp_path / "config.json").read()
+    for overrides, field in (({"optim.lr": "0.1"}, "optim.lr"), ({"model.num_layers": "3"}, "model.num_layers")):
+        with pytest.raises(ValueError, match=f"{field}.*cannot change on resume"):
+            trainer.train_and_evaluate(small_config(text_file, steps=2, checkpoint_every=2, eval_every=2, **overrides),
+                                       workdir, log=quiet)
+    assert (sorted(os.listdir(tmp_path)), open(tmp_path / "config.json").read()) == before

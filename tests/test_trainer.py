@@ -209,3 +209,38 @@ def test_bad_set_values_fail_before_anything_compiles(assignment, match, tmp_pat
     assert result.returncode != 0
     assert match in result.stderr, result.stderr[-2000:]
     assert not os.path.exists(tmp_path / "wd"), "nothing written for a bad config"
+
+
+def test_sigkill_at_random_points_then_rerun_matches_an_uninterrupted_run(text_file, straight_run, tmp_path):
+    """kill -9 during steps, checkpoint writes and outer exchanges; the same command resumes each time."""
+    cfg = small_config(text_file, checkpoint_every=1)  # a checkpoint every step: kills land inside writes too
+    config_path = write_config_file(tmp_path / "cfg.py", cfg)
+    workdir = str(tmp_path / "run")
+    rng = random.Random(0)
+    kills = 0
+    for attempt in range(6):
+        proc = subprocess.Popen(_train_cmd(config_path, workdir), env=_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        target = rng.choice([1, 3, 5, 7, 9]) if attempt < 3 else None
+        for line in proc.stdout:
+            if target is not None and line.startswith("step="):
+                step = int(line.split()[0].split("=")[1])
+                if step >= target:
+                    time.sleep(rng.uniform(0.0, 0.5))  # somewhere in the next step or its checkpoint
+                    proc.kill()
+                    kills += 1
+                    break
+        proc.wait(timeout=300)
+        if proc.returncode == 0:
+            break
+    assert kills >= 1 and proc.returncode == 0
+    got = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in trainer.read_metrics(workdir)]
+    want = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in trainer.read_metrics(straight_run[0]) if r["step"] <= 12]
+    assert got == want, "every step logged once, with the uninterrupted run's numbers"
+    t = trainer.Trainer(cfg, workdir, log=quiet)
+    t.init_state()  # sets the specs the restore needs
+    manager = trainer._checkpoint_manager(workdir, cfg.keep_checkpoints)
+    assert manager.latest_step() == 12
+    final, _ = trainer._restore(manager, 12, t)
+    manager.close()
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, final), jax.tree.map(np.asarray, straight_run[1]["state"]))

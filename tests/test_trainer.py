@@ -244,3 +244,14 @@ def test_sigkill_at_random_points_then_rerun_matches_an_uninterrupted_run(text_f
     final, _ = trainer._restore(manager, 12, t)
     manager.close()
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, final), jax.tree.map(np.asarray, straight_run[1]["state"]))
+
+
+def test_replicas_that_differ_are_refused(text_file, tmp_path):
+    t = trainer.Trainer(small_config(text_file), str(tmp_path), log=quiet)
+    state = t.init_state()
+    trainer._check_replicas_identical(t, state, resumed=False)  # identical: passes
+    head = state.params["lm_head"]["kernel"]
+    bumped = head.at[head.shape[0] // 2 :].add(1e-3)  # replica 1's block only
+    state = state._replace(params=dict(state.params, lm_head={"kernel": bumped}))
+    with pytest.raises(RuntimeError, match="replicas hold different initial parameters"):
+        trainer._check_replicas_identical(t, state, resumed=False)

@@ -199,8 +199,10 @@ def main():
         "",
     ]
     for model in args.models:
-        n, rows = measure(model, mesh, m, d, h, p)
-        lines += table(model, n, rows, m, d, h, p, args.run_steps)
+        layers = len(MODELS[model]()["layers"])
+        p_model = min(p, layers + 1)  # every fragment needs a block: at most one per block, plus fragment 0
+        n, rows = measure(model, mesh, m, d, h, p_model)
+        lines += table(model, n, rows, m, d, h, p_model, args.run_steps)
     common.report(HEADING, "\n".join(lines), no_write=args.no_write, extra_args=sys.argv[1:])
 
 

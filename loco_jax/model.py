@@ -45,18 +45,10 @@ The parameter tree
 ``nnx.split(model, nnx.Param)`` → ``nnx.to_pure_dict`` gives exactly
 :func:`loco_jax.fragments.transformer_shapes` (the project's one definition)::
 
-    {"embed": {"embedding": (V, d)},
-     "layers": {0: BLOCK, ..., L-1: BLOCK},      # scan_layers=True: one BLOCK, every leaf (L, ...)
-     "final_norm": {"scale": (d,)},
-     "lm_head": {"kernel": (d, V)}}               # absent with tie_embeddings
-    BLOCK = {"attn_norm": {"scale": (d,)},
-             "attn": {"wq": {"kernel": (d, H*hd)}, "wk": {"kernel": (d, KV*hd)},
-                      "wv": {"kernel": (d, KV*hd)}, "wo": {"kernel": (H*hd, d)}},
-             "mlp_norm": {"scale": (d,)},
-             "mlp": {"w_gate": {"kernel": (d, d_ff)}, "w_up": {"kernel": (d, d_ff)},
-                     "w_down": {"kernel": (d_ff, d)}}}
+    embed/embedding, layers/<i>/{attn_norm, attn/{wq,wk,wv,wo}, mlp_norm, mlp/{w_gate,w_up,w_down}},
+    final_norm/scale, lm_head/kernel (absent with tie_embeddings)
 
-Unrolled layers live in an ``nnx.List`` (pure-dict keys are the ints
+(shapes in that function's docstring). Unrolled layers live in an ``nnx.List`` (pure-dict keys are the ints
 ``0 .. L-1``). Scanned layers are one ``Block`` built under ``nnx.vmap`` (every
 leaf stacked on a leading ``(L,)`` axis) and run with ``jax.lax.scan`` over its
 split state. Layer ``i`` is initialised from the same key in both layouts, so

@@ -111,8 +111,9 @@ class Config:
     diloco: DilocoFields = dataclasses.field(default_factory=DilocoFields)
 
 
-# Fields whose change on resume would silently change the run: refused.
-FROZEN_ON_RESUME = ("model", "optim", "loco", "diloco", "seed", "batch_size", "seq_len", "data")
+# Fields whose change on resume would silently change the run: refused. (The mesh too, until
+# elastic restarts on other replica or device counts are supported.)
+FROZEN_ON_RESUME = ("model", "optim", "loco", "diloco", "seed", "batch_size", "seq_len", "data", "mesh")
 
 
 def keys(cfg, prefix="") -> list[str]:

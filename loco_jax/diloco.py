@@ -229,6 +229,8 @@ def diloco(
       strategy, labels: how fragments are formed (:func:`fragments.plan`).
     """
     _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, error_beta, error_bits, block_size)
+    if compensate and bits is None:
+        raise ValueError("compensate=True compensates quantization error, but bits=None exchanges exact fp32; set bits.")
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     inner = optax.with_extra_args_support(inner)

@@ -283,7 +283,10 @@ def compress(
         t = state.count + 1
         reset = jnp.array(False) if reset_every is None else (t % reset_every == 0)
         step_key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
-        axes = () if axis_name is None else (axis_name,)
+        # Noise independent on every device whose gradients differ (DiLoCo replicas included), without
+        # making the result vary over an axis the gradients do not vary over.
+        grad_axes = set().union(*(coll.varying_axes(x) for x in leaves)) if leaves else set()
+        axes = tuple(a for a in coll.manual_axes() if a == axis_name or a in grad_axes)
 
         new = dict(error=[], error_scale=[], error2=[], error2_scale=[])
         out_leaves = [None] * len(leaves)

@@ -77,7 +77,7 @@ def make_optimizer(cfg: config_lib.Config):
     inner = optax.chain(*parts)
     d = cfg.diloco
     if not d.enabled:
-        return inner
+        return loco.skip_nonfinite(inner)  # a non-finite step leaves Adam untouched too
     outer = optax.sgd(d.outer_lr, momentum=d.outer_momentum or None, nesterov=d.outer_momentum > 0)
     return diloco.diloco(
         inner, sync_every=d.sync_every, outer=outer, num_fragments=d.num_fragments, overlap=d.overlap,
@@ -338,11 +338,16 @@ class Trainer:
         return self.tx.phase(step) if self.cfg.diloco.enabled else None
 
     def skipped(self, state):
-        """Steps skipped for non-finite values so far (the outermost counter)."""
-        s = state.opt_state
-        if self.cfg.diloco.enabled:
-            return int(s.skipped)
-        return int(s[0].skipped)
+        """Steps skipped for non-finite values so far (the outermost counter: DiLoCo's or skip_nonfinite's)."""
+        return int(state.opt_state.skipped)
+
+    def phase_of(self, state):
+        """The DiLoCo phase of the next step, from the state's own step count.
+
+        A skipped step does not advance that count, so the schedule follows the
+        steps that happened (one scalar read per step; None for data parallel).
+        """
+        return self.tx.phase(int(state.opt_state.step) + 1) if self.cfg.diloco.enabled else None
 
 
 def _metrics_path(workdir):
@@ -353,8 +358,14 @@ def read_metrics(workdir):
     path = _metrics_path(workdir)
     if not os.path.exists(path):
         return []
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill: the rows after the checkpoint are logged again
+    return rows
 
 
 def _truncate_metrics(workdir, last_step):
@@ -509,19 +520,30 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
     metrics_file = open(_metrics_path(workdir), "a") if is_main else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t_last, steps_since, last_saved = time.perf_counter(), 0, start
+    skipped_seen = trainer.skipped(state)
     eval_loss = None
     try:
         for step in range(start + 1, cfg.steps + 1):
             inputs, targets = batches.next_batch(cfg.batch_size)
             batch = trainer.put_batch((inputs, targets))
-            prog = trainer.program(trainer.phase(step), state, batch)
+            phase = trainer.phase_of(state)
+            prog = trainer.program(phase, state, batch)
             params, opt_state, out = prog(state.params, state.opt_state, *batch)
             state = TrainState(params, opt_state)
             if jax.default_backend() == "cpu":
                 # XLA's CPU collectives can deadlock with several multi-device programs in flight.
                 jax.block_until_ready(state)
-            bytes_so_far += trainer.program_bytes[str(trainer.phase(step))]["per_device"]
+            bytes_so_far += trainer.program_bytes[str(phase)]["per_device"]
             steps_since += 1
+            if cfg.nonfinite == "stop" and trainer.skipped(state) > 0:
+                raise FloatingPointError(
+                    f"non-finite gradients or outer gradients at step {step} (nonfinite='stop'); the step was not "
+                    "applied. Set nonfinite='skip' to skip such steps and go on."
+                )
+            if trainer.skipped(state) > skipped_seen:
+                log(f"warning: step {step} had non-finite values and was skipped on every device "
+                    f"({trainer.skipped(state)} skipped so far)")
+                skipped_seen = trainer.skipped(state)
             row = None
             if step % cfg.log_every == 0 or step == cfg.steps:
                 loss = float(out["loss"])
@@ -551,6 +573,10 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
                     log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
             if stop_after is not None and step >= stop_after:
                 stop.requested = True
+            if jax.process_count() > 1:  # every process stops at the same step, or collectives hang
+                from jax.experimental import multihost_utils
+
+                stop.requested = bool(np.any(multihost_utils.process_allgather(np.array(stop.requested))))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop.requested:
                 _save(manager, step, trainer, state, {"step": step, "data": batches.state(), "bytes_sent": bytes_so_far})
                 last_saved = step
@@ -582,7 +608,8 @@ def _check_replicas_identical(trainer, state, resumed):
     if not trainer.cfg.diloco.enabled or trainer.m == 1:
         return
     tree, spec = (diloco.global_params(state.opt_state), P()) if resumed else (state.params, trainer.param_spec)
-    gap_fn = lambda t: lax.pmax(sum(jnp.abs(x - lax.pmean(x, "replica")).max() for x in jax.tree.leaves(t)), "replica")
+    # max - min over replicas is exact (a pmean of identical values rounds for most replica counts)
+    gap_fn = lambda t: sum(jnp.max(lax.pmax(x, "replica") - lax.pmin(x, "replica")) for x in jax.tree.leaves(t))
     fn = jax.jit(jax.shard_map(gap_fn, mesh=trainer.mesh, in_specs=spec, out_specs=P(), check_vma=False))
     gap = float(fn(tree))
     if gap != 0.0:

@@ -428,3 +428,24 @@ def test_bad_labels_and_unbound_axis_raise(mesh):
     tx = diloco.diloco(optax.sgd(0.1), sync_every=4, num_fragments=2, labels=bad)
     with pytest.raises(ValueError, match="7"):
         diloco.state_specs(tx, put(mesh, replicate(params), P("replica")), mesh)
+
+
+def test_skipped_send_step_with_overlap2_equals_the_run_without_that_batch(mesh):
+    """A non-finite step never applies a stale in-flight buffer when the phase follows state.step."""
+    make = lambda: diloco.diloco(inner_adamw(), sync_every=9, num_fragments=3, overlap=2, alpha=0.5, bits=4)
+    skipped, clean = Run(mesh, make()), Run(mesh, make())
+    steps = 22
+    xs, ys = make_data(steps + 1)
+    bad = 13  # fragment 1 (offset 3) is due after step 12: step 13 sends it, step 14 applies it
+    assert skipped.tx.phase(bad) == diloco.Phase(1, None)
+    for i in range(steps + 1):
+        x = xs[i].copy()
+        if i == bad - 1:
+            x[3, 0] = np.nan  # one device's batch
+        skipped.step(int(skipped.state.step) + 1, x, ys[i])
+        if i != bad - 1:
+            clean.step(int(clean.state.step) + 1, xs[i], ys[i])
+    assert int(skipped.state.skipped) == 1 and int(skipped.state.step) == int(clean.state.step) == steps
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, skipped.params), jax.tree.map(np.asarray, clean.params))
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, skipped.state.global_params),
+                                jax.tree.map(np.asarray, clean.state.global_params))

@@ -246,6 +246,12 @@ def test_sigkill_at_random_points_then_rerun_matches_an_uninterrupted_run(text_f
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, final), jax.tree.map(np.asarray, straight_run[1]["state"]))
 
 
+def test_replica_check_is_exact_for_any_replica_count(text_file, tmp_path):
+    """Eight identical replicas pass (a pmean-based check would see rounding and refuse)."""
+    t = trainer.Trainer(small_config(text_file, **{"mesh.replicas": 8}), str(tmp_path), log=quiet)
+    trainer._check_replicas_identical(t, t.init_state(), resumed=False)
+
+
 def test_replicas_that_differ_are_refused(text_file, tmp_path):
     t = trainer.Trainer(small_config(text_file), str(tmp_path), log=quiet)
     state = t.init_state()

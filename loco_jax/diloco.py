@@ -172,10 +172,6 @@ def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, bet
         raise ValueError(f"error_bits={error_bits!r} is not supported; choose one of {quant.BITS} or None (fp32).")
 
 
-def _round_up(n, m):
-    return -(-n // m) * m
-
-
 class DiLoCo(optax.GradientTransformationExtraArgs):
     """An ``optax.GradientTransformationExtraArgs`` with the schedule attached.
 
@@ -254,7 +250,7 @@ def diloco(
     def slice_len(size, d, m):
         """Values of one data device's slice of a fragment (a whole number of blocks per replica)."""
         unit = block_size * (m if mode == "two_stage" else 1)
-        return max(_round_up(-(-size // d), unit), unit)
+        return max(coll._round_up(-(-size // d), unit), unit)
 
     def _phase(step):
         return phase(step, sync_every=sync_every, num_fragments=num_p, overlap=overlap)

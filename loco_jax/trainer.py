@@ -499,10 +499,11 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
         f"{'Streaming DiLoCo' if cfg.diloco.enabled else 'data parallel'}, loco bits={cfg.loco.bits}")
 
     manager = _checkpoint_manager(workdir, cfg.keep_checkpoints)
-    state = trainer.init_state()
     start, data_state, bytes_so_far = 0, None, 0.0
     latest = manager.latest_step()
-    if latest is not None:
+    if latest is None:
+        state = trainer.init_state()
+    else:  # restore into abstract shapes: the fresh state is never allocated beside the restored one
         state, meta = _restore(manager, latest, trainer)
         start, data_state, bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
         log(f"resumed from checkpoint at step {start}")

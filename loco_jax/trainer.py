@@ -368,12 +368,18 @@ def read_metrics(workdir):
     return rows
 
 
+def _write_atomic(path, text):
+    """Writes ``text`` to ``path`` through a temporary file and a rename: a kill leaves old or new, never half."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def _truncate_metrics(workdir, last_step):
     """Drops metric rows logged after the checkpoint we resume from (they will be logged again)."""
     rows = [r for r in read_metrics(workdir) if r.get("step", 0) <= last_step]
-    with open(_metrics_path(workdir), "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    _write_atomic(_metrics_path(workdir), "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def summary_table(workdir) -> str:
@@ -493,8 +499,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
     trainer.dataset  # load (or download) the data before anything compiles
     is_main = jax.process_index() == 0
     if is_main:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config_lib.dumps(cfg))
+        _write_atomic(os.path.join(workdir, "config.json"), config_lib.dumps(cfg))
     log(f"{mesh_lib.describe(trainer.mesh)}; model {model_lib.count_params(trainer.mcfg):,} parameters; "
         f"{'Streaming DiLoCo' if cfg.diloco.enabled else 'data parallel'}, loco bits={cfg.loco.bits}")
 
@@ -550,7 +555,8 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
                 loss = float(out["loss"])
                 now = time.perf_counter()
                 row = {
-                    "step": step, "loss": loss, "lr": float(trainer.schedule(step - 1)),
+                    # the optimizer's own count: skipped steps do not advance the schedule
+                    "step": step, "loss": loss, "lr": float(trainer.schedule(step - 1 - trainer.skipped(state))),
                     "tokens_per_s": tokens_per_step * steps_since / (now - t_last),
                     "bytes_sent_per_device": bytes_so_far, "skipped_steps": trainer.skipped(state),
                     "grad_rms": float(out["grad_rms"]),

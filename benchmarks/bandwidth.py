@@ -54,9 +54,9 @@ def global_view(shapes, mesh, spec, m):
 
 
 def replica_bytes(compiled, m, d):
-    """Bytes that cross ``replica`` per replica: ops whose groups have M members, times D devices."""
+    """Bytes that cross ``replica`` per replica: ops whose groups span replicas, times D devices."""
     report = hlo.collective_bytes(compiled)
-    ops = [op for op in report.ops if op.group_size == m]
+    ops = [op for op in report.ops if op.spans(d)]
     return sum(op.total_bytes for op in ops) * d, sorted({op.dtype for op in ops})
 
 

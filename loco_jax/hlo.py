@@ -87,6 +87,8 @@ import math
 import re
 from typing import Any, Iterable
 
+import numpy as np
+
 __all__ = [
     "CollectiveOp",
     "CollectiveReport",
@@ -95,6 +97,7 @@ __all__ = [
     "parse_shape",
     "parse_shapes",
     "human_bytes",
+    "replica_groups",
     "COLLECTIVE_KINDS",
 ]
 
@@ -455,6 +458,27 @@ def _parse_groups(value: str | None) -> tuple[list[list[int]] | None, int | None
     return [], None
 
 
+def replica_groups(value: str | None) -> tuple[tuple[int, ...], ...] | None:
+    """The device groups of a ``replica_groups`` attribute; None when empty (every device, one group).
+
+    Handles the list form ``{{0,1},{2,3}}`` and the iota form ``[g,n]<=[N]`` or
+    ``[g,n]<=[a,b]T(1,0)`` (an iota over ``[a,b]``, transposed, viewed as ``g`` groups of ``n``).
+    """
+    if value is None or not value.strip() or value.strip() == "{}":
+        return None
+    v = value.strip()
+    iota = re.match(r"\[([\d,\s]+)\]\s*<=\s*\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?", v)
+    if iota:
+        out_dims, src_dims = _dims(iota.group(1)), _dims(iota.group(2))
+        ids = np.arange(int(np.prod(src_dims))).reshape(src_dims)
+        if iota.group(3):
+            ids = ids.transpose(_dims(iota.group(3)))
+        ids = ids.reshape(-1, out_dims[-1])
+        return tuple(tuple(int(x) for x in row) for row in ids)
+    groups, _ = _parse_groups(v)
+    return tuple(tuple(g) for g in groups) if groups else None
+
+
 def _group_size(kind: str, attrs: dict[str, str], replica_count: int, num_partitions: int) -> int:
     if kind == "collective-permute":
         ids = set(int(x) for x in re.findall(r"\d+", attrs.get("source_target_pairs", "")))
@@ -556,6 +580,17 @@ class CollectiveOp:
     name: str = ""  # HLO instruction name (the start op for async pairs)
     is_async: bool = False
     op_name: str = ""  # metadata op_name, when present
+    groups: tuple[tuple[int, ...], ...] | None = None  # device groups; None: one group of every device
+
+    def spans(self, block: int) -> bool:
+        """Whether a group mixes devices from different consecutive blocks of ``block`` ids.
+
+        On a ``(replica, data)`` mesh of D data devices, ``op.spans(D)`` tells an op
+        that crosses replicas from one that stays inside a replica.
+        """
+        if self.groups is None:
+            return True
+        return any(len({i // block for i in g}) > 1 for g in self.groups)
 
     def bytes_by_dtype(self) -> dict[str, float]:
         """``total_bytes`` split over the element types of the payload."""
@@ -857,6 +892,7 @@ class _Walker:
                 name=ins.name,
                 is_async=is_start,
                 op_name=om.group(1) if om else "",
+                groups=replica_groups(ins.attrs.get("replica_groups")) if kind != "collective-permute" else None,
             )
         )
 

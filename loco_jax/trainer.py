@@ -293,7 +293,7 @@ class Trainer:
             )
             compiled = f.lower(state.params, state.opt_state, *batch).compile()
             report = hlo.collective_bytes(compiled)
-            cross = sum(op.total_bytes for op in report.ops if self.m > 1 and op.group_size == self.m) * self.d
+            cross = sum(op.total_bytes for op in report.ops if self.m > 1 and op.spans(self.d)) * self.d
             self.program_bytes[str(phase)] = {"per_device": report.total, "cross_replica_per_replica": cross}
             self._programs[phase] = compiled
         return self._programs[phase]

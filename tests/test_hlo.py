@@ -8,6 +8,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from loco_jax import hlo
 from loco_jax.hlo import (
     CollectiveOp,
     CollectiveReport,
@@ -593,3 +594,21 @@ def test_real_bf16_psum_dtype(mesh):
     assert op.dtype in ("bf16", "f32")
     assert op.bytes_per_device == 2 * 3 / 4 * 1024 * dtype_bytes(op.dtype)
     np.testing.assert_allclose(op.total_bytes, op.bytes_per_device)
+
+
+def test_replica_groups_and_which_ops_cross_replicas(mesh):
+    assert hlo.replica_groups("[2,4]<=[8]") == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert hlo.replica_groups("[4,2]<=[2,4]T(1,0)") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert hlo.replica_groups("{{0,1},{2,3}}") == ((0, 1), (2, 3))
+    assert hlo.replica_groups("{}") is None
+
+    def both(x):
+        return jax.lax.psum(x, "data") + jax.lax.psum(x, "replica")
+
+    f = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P(("replica", "data")), out_specs=P(("replica", "data"))))
+    x = jax.device_put(np.ones(8 * 16, np.float32), jax.NamedSharding(mesh, P(("replica", "data"))))
+    ops = hlo.collective_bytes(f.lower(x).compile()).ops
+    crossing = [op for op in ops if op.spans(4)]  # D = 4 data devices per replica
+    inside = [op for op in ops if not op.spans(4)]
+    assert len(crossing) == 1 and crossing[0].group_size == 2
+    assert len(inside) == 1 and inside[0].group_size == 4

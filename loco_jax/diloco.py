@@ -160,16 +160,9 @@ def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, bet
         )
     if not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha={alpha!r} must lie in [0, 1] (0 drops local steps taken meanwhile, 1 never merges).")
-    if bits is not None:
-        quant.validate(bits, block_size, format)
-    elif format not in quant.FORMATS:
-        raise ValueError(f"format={format!r} is unknown; choose one of {quant.FORMATS}.")
+    quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=beta, beta_name="error_beta")
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}.")
-    if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
-        raise ValueError(f"error_beta={beta!r} must lie in [0, 1).")
-    if error_bits is not None and (isinstance(error_bits, bool) or error_bits not in quant.BITS):
-        raise ValueError(f"error_bits={error_bits!r} is not supported; choose one of {quant.BITS} or None (fp32).")
 
 
 class DiLoCo(optax.GradientTransformationExtraArgs):

@@ -96,19 +96,9 @@ class SkipNonfiniteState(NamedTuple):
 
 
 def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce, mode, nonfinite, bucket_size):
-    if bits is not None:
-        quant.validate(bits, block_size, format)
-    elif format not in quant.FORMATS:
-        raise ValueError(f"format={format!r} is unknown; choose one of {quant.FORMATS}.")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-        raise ValueError(f"block_size={block_size!r} must be a positive integer (a multiple of 8, e.g. 256).")
-    if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
-        raise ValueError(f"beta={beta!r} must lie in [0, 1) (0 is plain error feedback; the paper uses 0.8).")
+    quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=beta)
     if reset_every is not None and (not isinstance(reset_every, int) or reset_every <= 0):
         raise ValueError(f"reset_every={reset_every!r} must be a positive integer number of steps, or None.")
-    if error_bits is not None:
-        if isinstance(error_bits, bool) or error_bits not in quant.BITS:
-            raise ValueError(f"error_bits={error_bits!r} is not supported; choose one of {quant.BITS} or None (fp32).")
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce={reduce!r} is unknown; choose one of {REDUCE_MODES}.")
     if mode not in coll.MODES:

@@ -79,6 +79,21 @@ def validate(bits, block_size=DEFAULT_BLOCK_SIZE, format="int"):
         )
 
 
+def validate_compression(bits, block_size, format, *, error_bits, beta, beta_name="beta"):
+    """Checks shared by every compressing transformation: payload bits (None: exact fp32), block,
+    format, the error buffer's storage bits and its moving-average weight."""
+    if bits is not None:
+        validate(bits, block_size, format)
+    else:
+        if format not in FORMATS:
+            raise ValueError(f"format={format!r} is unknown; choose one of {FORMATS}.")
+        validate(8, block_size, "int")  # the block size still lays out the error buffers
+    if error_bits is not None and (isinstance(error_bits, bool) or error_bits not in BITS):
+        raise ValueError(f"error_bits={error_bits!r} is not supported; choose one of {BITS} or None (fp32).")
+    if isinstance(beta, bool) or not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
+        raise ValueError(f"{beta_name}={beta!r} must lie in [0, 1) (0 is plain error feedback; LoCo uses 0.8).")
+
+
 def qmax(bits):
     """Largest integer code magnitude of the symmetric ``int`` format."""
     return 2 ** (bits - 1) - 1

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import config as config_lib
 from loco_jax import data as data_lib
-from loco_jax import diloco, hlo, loco
+from loco_jax import diloco, hlo, loco, specs
 from loco_jax import mesh as mesh_lib
 from loco_jax import model as model_lib
 
@@ -103,7 +103,8 @@ def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None):
     params = optax.apply_updates(params, updates)
     grad_sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
     grad_rms = jnp.sqrt(grad_sq / sum(g.size for g in jax.tree.leaves(grads)))  # this device's local gradient
-    metrics = {"loss": lax.pmean(loss, ("replica", "data")), "grad_rms": lax.pmean(grad_rms, ("replica", "data"))}
+    axes = ("replica", "data")
+    metrics = {name: lax.pmean(specs.to_varying(v, axes), axes) for name, v in (("loss", loss), ("grad_rms", grad_rms))}
     return params, opt_state, metrics
 
 

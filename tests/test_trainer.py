@@ -263,3 +263,14 @@ def test_replicas_that_differ_are_refused(text_file, tmp_path):
     state = state._replace(params=dict(state.params, lm_head={"kernel": bumped}))
     with pytest.raises(RuntimeError, match="replicas hold different initial parameters"):
         trainer._check_replicas_identical(t, state, resumed=False)
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["fp32", "loco4"])
+def test_data_parallel_configs_train(text_file, tmp_path, bits):
+    """The ddp and loco configs: one replica, the whole mesh on `data`."""
+    cfg = small_config(text_file, **{"mesh.replicas": 1, "diloco.enabled": "false", "loco.bits": str(bits),
+                                     "steps": 6, "eval_every": 6, "checkpoint_every": 6})
+    summary = trainer.train_and_evaluate(cfg, str(tmp_path), log=quiet)
+    rows = trainer.read_metrics(str(tmp_path))
+    assert summary["last_step"] == 6 and rows[-1]["loss"] < rows[0]["loss"]
+    assert int(summary["state"].opt_state.skipped) == 0

@@ -111,6 +111,12 @@ def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce,
         raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of values, or None (one bucket).")
 
 
+def _device_axes(leaves, axis_name):
+    """The mesh axes per-device state varies over: ``axis_name`` and every axis the leaves vary over."""
+    varying = set().union(*(coll.varying_axes(x) for x in leaves)) if leaves else set()
+    return tuple(a for a in coll.manual_axes() if a == axis_name or a in varying)
+
+
 def _all_finite(tree):
     leaves = jax.tree.leaves(tree)
     flag = jnp.array(True)
@@ -231,8 +237,7 @@ def compress(
         leaves = jax.tree.leaves(params)
         # The error buffers vary as the gradients will: over axis_name and over every axis the
         # parameters vary over (e.g. DiLoCo's replica axis), so the updates keep the parameters' type.
-        param_axes = set().union(*(coll.varying_axes(x) for x in leaves)) if leaves else set()
-        device_axes = tuple(a for a in coll.manual_axes() if a == axis_name or a in param_axes)
+        device_axes = _device_axes(leaves, axis_name)
 
         def zeros(shape):
             values, scales = quant.stored_zeros(shape, error_bits, block_size=block_size)
@@ -275,16 +280,11 @@ def compress(
         step_key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
         # Noise independent on every device whose gradients differ (DiLoCo replicas included), without
         # making the result vary over an axis the gradients do not vary over.
-        grad_axes = set().union(*(coll.varying_axes(x) for x in leaves)) if leaves else set()
-        axes = tuple(a for a in coll.manual_axes() if a == axis_name or a in grad_axes)
+        axes = _device_axes(leaves, axis_name)
 
         new = dict(error=[], error_scale=[], error2=[], error2_scale=[])
-        out_leaves = [None] * len(leaves)
-        if not quantized:
-            out_leaves = _exact(leaves, m)
-        for b, (group, _) in enumerate(_layout(leaves, m, False)):
-            if not quantized:
-                break
+        out_leaves = _exact(leaves, m) if not quantized else [None] * len(leaves)
+        for b, (group, _) in enumerate(_layout(leaves, m, False) if quantized else []):
             rows, bucket = coll.make_bucket([leaves[i] for i in group], m, block_size, scatter=scatter)
             key1 = coll.device_key(step_key, axes, 2 * b) if stochastic_rounding else None
             key2 = coll.device_key(step_key, axes, 2 * b + 1) if stochastic_rounding else None

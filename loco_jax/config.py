@@ -89,6 +89,7 @@ class DilocoFields:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     mode: str = "all_gather"
+    block_size: int = 256  # values per scale in the outer-gradient payload
 
 
 @dataclasses.dataclass

@@ -82,6 +82,7 @@ def make_optimizer(cfg: config_lib.Config):
     return diloco.diloco(
         inner, sync_every=d.sync_every, outer=outer, num_fragments=d.num_fragments, overlap=d.overlap,
         alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, mode=d.mode,
+        block_size=d.block_size,
     )
 
 

@@ -1,0 +1,166 @@
+"""Non-finite values end to end through the trainer: a poisoned step is skipped everywhere, or stops the run.
+
+Three faults, each at one step of a real run (Streaming DiLoCo 2 x 4 with LoCo
+4-bit inside, and data parallel):
+
+* a corrupted batch: token ids beyond the vocabulary on one device (the
+  embedding lookup then yields NaN, as a bit flip in a token buffer would);
+* an Inf in the gradient of one device (the loss of the rows carrying a marker
+  token is scaled by Inf);
+* a NaN in the outer gradient of one replica (the parameters its DiLoCo update
+  sees are NaN on that replica; its inner gradient stays finite).
+
+In every case the step is skipped on every device with a logged warning and a
+count in the metrics, nothing in the state (error buffers, global parameters,
+outer momentum, Adam moments) is poisoned, and the run ends bit-identical to a
+run in which that batch never came.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax import lax
+
+from loco_jax import trainer
+from tests.test_trainer import small_config, text_file  # noqa: F401  (text_file: a fixture)
+
+BAD_STEP = 9  # Streaming DiLoCo (H 6, P 3, tau 1) sends fragment 1 at step 9: an exchange step
+INF_MARK, NAN_OUTER_MARK = 254, 255  # byte ids the test corpus (ASCII words) never contains
+
+
+class _Batches:
+    """The run's batch stream with one batch corrupted (``corrupt``) or dropped (``drop``) at call ``at``."""
+
+    def __init__(self, inner, at, corrupt=None, drop=False):
+        self.inner, self.at, self.corrupt, self.drop, self.calls = inner, at, corrupt, drop, 0
+
+    def next_batch(self, n):
+        self.calls += 1
+        if self.drop and self.calls == self.at:
+            self.inner.next_batch(n)  # the batch the faulty run skips: never seen here
+        inputs, targets = self.inner.next_batch(n)
+        if self.corrupt is not None and self.calls == self.at:
+            inputs, targets = self.corrupt(np.array(inputs), np.array(targets))
+        return inputs, targets
+
+    def state(self):
+        return self.inner.state()
+
+
+def _poisoning_train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None):
+    """``trainer.train_step`` plus two fault injectors keyed on marker tokens in this device's rows.
+
+    Rows holding INF_MARK scale this device's loss (hence its gradient) by Inf.
+    Rows holding NAN_OUTER_MARK on any device of a replica make the parameters
+    that replica's optimizer update sees NaN, so its outer gradient
+    ``global - local`` is NaN while its inner gradient is finite. Without
+    markers both are exact no-ops (``where`` picks the original values).
+    """
+    from loco_jax import model as model_lib
+    from loco_jax import specs
+
+    inf_here = jnp.any(inputs == INF_MARK)
+    # one replica's parameters (DiLoCo: split over replica); data parallel's are the same everywhere
+    axes = ("data",) if "replica" in specs.varying_axes(jax.tree.leaves(params)[0]) else ("replica", "data")
+    outer_here = lax.pmax(jnp.any(inputs == NAN_OUTER_MARK).astype(jnp.int32), axes) > 0
+    varying = lax.pcast(params, "data", to="varying")
+    loss_of = lambda p: model_lib.loss_fn(mcfg, p, inputs, targets) * jnp.where(inf_here, jnp.inf, 1.0)
+    loss, grads = jax.value_and_grad(loss_of)(varying)
+    seen = jax.tree.map(lambda p: jnp.where(outer_here, jnp.full_like(p, jnp.nan), p), params)
+    updates, opt_state = tx.update(grads, opt_state, seen, **({} if phase is None else {"phase": phase}))
+    params = optax.apply_updates(params, updates)
+    axes = ("replica", "data")
+    zero = jnp.zeros((), jnp.float32)
+    metrics = {"loss": lax.pmean(specs.to_varying(loss, axes), axes), "grad_rms": lax.pmean(specs.to_varying(zero, axes), axes)}
+    return params, opt_state, metrics
+
+
+def _corrupt_ids(inputs, targets):  # device (replica 1, data 2) of the 2 x 4 mesh: rows 12-13 of 16
+    inputs[12:14, 5:9] = 10_000
+    return inputs, targets
+
+
+def _inf_gradient(inputs, targets):  # device (replica 0, data 1): rows 2-3
+    inputs[2, 3] = INF_MARK
+    return inputs, targets
+
+
+def _nan_outer(inputs, targets):  # replica 0 only (rows 0-7), marked on its device 3
+    inputs[7, 0] = NAN_OUTER_MARK
+    return inputs, targets
+
+
+FAULTS = {"corrupted batch": _corrupt_ids, "Inf gradient on one device": _inf_gradient,
+          "NaN outer gradient on one replica": _nan_outer}
+
+
+def _run(monkeypatch, cfg, workdir, *, corrupt=None, drop=False, stop_after=None):
+    original = trainer.Dataset.train_iterator
+    monkeypatch.setattr(trainer.Dataset, "train_iterator",
+                        lambda self, seed, state=None: _Batches(original(self, seed, state), BAD_STEP, corrupt, drop))
+    monkeypatch.setattr(trainer, "train_step", _poisoning_train_step)
+    logs = []
+    summary = trainer.train_and_evaluate(cfg, str(workdir), log=logs.append, stop_after=stop_after)
+    monkeypatch.undo()
+    return summary, logs
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _assert_finite(tree):
+    for path, x in jax.tree_util.tree_flatten_with_path(_host(tree))[0]:
+        if np.issubdtype(x.dtype, np.floating):
+            assert np.all(np.isfinite(x)), f"non-finite values in {jax.tree_util.keystr(path)}"
+
+
+@pytest.fixture(scope="module")
+def clean_reference(text_file, tmp_path_factory):  # noqa: F811
+    """The same run without the batch of BAD_STEP: stops one step short of the faulty runs (same schedule)."""
+    monkeypatch = pytest.MonkeyPatch()
+    cfg = small_config(text_file)
+    summary, _ = _run(monkeypatch, cfg, tmp_path_factory.mktemp("clean"), drop=True, stop_after=cfg.steps - 1)
+    return summary
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_poisoned_step_is_skipped_everywhere_and_the_run_equals_one_without_it(
+        fault, text_file, clean_reference, monkeypatch, tmp_path):  # noqa: F811
+    cfg = small_config(text_file)
+    summary, logs = _run(monkeypatch, cfg, tmp_path, corrupt=FAULTS[fault])
+    state = summary["state"]
+    assert int(state.opt_state.skipped) == 1 and int(state.opt_state.step) == cfg.steps - 1
+    assert any(f"step {BAD_STEP} had non-finite values and was skipped on every device" in line for line in logs), logs
+    rows = trainer.read_metrics(str(tmp_path))
+    assert [r["skipped_steps"] for r in rows if "skipped_steps" in r][-1] == 1
+    _assert_finite(state)  # error buffers, global params, outer momentum, Adam moments, in-flight buffer
+    ref = clean_reference["state"]
+    chex_equal = lambda a, b: jax.tree.map(np.testing.assert_array_equal, _host(a), _host(b))
+    chex_equal(state.params, ref.params)
+    chex_equal(state.opt_state._replace(skipped=ref.opt_state.skipped), ref.opt_state)
+    assert np.isfinite(summary["eval_loss"])
+
+
+def test_data_parallel_skips_a_poisoned_step_and_equals_the_run_without_it(text_file, monkeypatch, tmp_path):  # noqa: F811
+    cfg = small_config(text_file, **{"mesh.replicas": 1, "diloco.enabled": False})
+    faulty, logs = _run(monkeypatch, cfg, tmp_path / "faulty", corrupt=_inf_gradient)
+    clean, _ = _run(monkeypatch, cfg, tmp_path / "clean", drop=True, stop_after=cfg.steps - 1)
+    assert int(faulty["state"].opt_state.skipped) == 1
+    assert any("skipped on every device" in line for line in logs)
+    _assert_finite(faulty["state"])
+    inner = lambda s: s.opt_state.inner  # skip_nonfinite's wrapped chain: LoCo errors, clip, Adam
+    jax.tree.map(np.testing.assert_array_equal, _host(faulty["state"].params), _host(clean["state"].params))
+    jax.tree.map(np.testing.assert_array_equal, _host(inner(faulty["state"])), _host(inner(clean["state"])))
+
+
+def test_nonfinite_stop_raises_and_keeps_only_clean_checkpoints(text_file, monkeypatch, tmp_path):  # noqa: F811
+    cfg = small_config(text_file, nonfinite="stop", checkpoint_every=2)
+    with pytest.raises(FloatingPointError, match=f"step {BAD_STEP}.*nonfinite='stop'"):
+        _run(monkeypatch, cfg, tmp_path, corrupt=_corrupt_ids)
+    monkeypatch.undo()
+    steps = ocp.CheckpointManager(str(tmp_path / "checkpoints")).all_steps()
+    assert steps and max(steps) < BAD_STEP, steps

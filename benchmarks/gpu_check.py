@@ -61,62 +61,103 @@ def make_step(cfg, tx):
     return step
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="1b", choices=sorted(model_lib.CONFIGS))
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--bits", type=int, default=4)
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_check"))
-    args = ap.parse_args()
-
-    cfg = model_lib.CONFIGS[args.model].replace(remat=args.model == "1b", max_seq_len=max(args.seq, 8))
+def measure(model, batch, seq, steps, bits):
+    """Step time with and without ``loco.compress(axis_name=None)`` and the codec alone, for one model."""
+    cfg = model_lib.CONFIGS[model].replace(remat=model == "1b", max_seq_len=max(seq, 8))
     n_params = model_lib.count_params(cfg)
     device = jax.devices()[0]
-    print(f"{args.model}: {n_params:,} parameters on {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}",
+    print(f"{model}: {n_params:,} parameters on {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}",
           flush=True)
     params = model_lib.init_params(cfg, jax.random.PRNGKey(0))
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (args.batch, args.seq + 1), 0, cfg.vocab_size, jnp.int32)
-    tokens_per_step = args.batch * args.seq
-    flops = 6 * n_params * tokens_per_step + 12 * cfg.num_layers * args.seq**2 * cfg.d_model * args.batch
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
+    tokens_per_step = batch * seq
+    flops = 6 * n_params * tokens_per_step + 12 * cfg.num_layers * seq**2 * cfg.d_model * batch
 
-    results = {"model": args.model, "params": n_params, "device": device.device_kind, "backend": jax.default_backend(),
-               "jax": jax.__version__, "batch": args.batch, "seq": args.seq, "flops_per_step": flops}
+    results = {"model": model, "params": n_params, "device": device.device_kind, "backend": jax.default_backend(),
+               "jax": jax.__version__, "batch": batch, "seq": seq, "flops_per_step": flops}
     for name, tx in (
         ("adamw", optax.adamw(3e-4)),
-        (f"loco{args.bits}+adamw", optax.chain(loco.compress(bits=args.bits, axis_name=None), optax.adamw(3e-4))),
+        (f"loco{bits}+adamw", optax.chain(loco.compress(bits=bits, axis_name=None), optax.adamw(3e-4))),
     ):
         opt_state = tx.init(params)
         t_compile = time.perf_counter()
         step = make_step(cfg, tx)
         step.lower(params, opt_state, tokens).compile()
         compile_s = time.perf_counter() - t_compile
-        median, times = timed(step, params, opt_state, tokens, steps=args.steps)
+        median, times = timed(step, params, opt_state, tokens, steps=steps)
         results[name] = {
             "step_s": median, "all_steps_s": times, "compile_s": compile_s,
             "tokens_per_s": tokens_per_step / median, "tflops": flops / median / 1e12,
             "mfu_vs_989": flops / median / H200_PEAK, "mfu_vs_790": flops / median / H200_PRACTICAL,
         }
-        print(f"  {name}: {median * 1e3:.1f} ms/step, {flops / median / 1e12:.1f} TFLOP/s "
+        print(f"  {name}: {median * 1e3:.1f} ms/step, {flops / median / 1e12:.2f} TFLOP/s "
               f"(MFU {100 * flops / median / H200_PEAK:.1f} % of 989)", flush=True)
-    base, comp = results["adamw"]["step_s"], results[f"loco{args.bits}+adamw"]["step_s"]
+    base, comp = results["adamw"]["step_s"], results[f"loco{bits}+adamw"]["step_s"]
     results["compression_overhead"] = comp / base - 1
+    results["compression_share_of_compressed_step"] = (comp - base) / comp
 
     flat = jnp.zeros((1, -(-n_params // 256) * 256), jnp.float32) + 0.5
-    codec = jax.jit(lambda x: quant.decode(quant.encode(x, args.bits), args.bits, cols=x.shape[1]))
+    codec = jax.jit(lambda x: quant.decode(quant.encode(x, bits), bits, cols=x.shape[1]))
     codec.lower(flat).compile()
-    median, _ = timed(lambda x: (codec(x),), flat, steps=args.steps)
+    median, _ = timed(lambda x: (codec(x),), flat, steps=steps)
     results["encode_decode_s"] = median
     results["encode_decode_share_of_step"] = median / base
-    print(f"  encode+decode of {n_params:,} values at {args.bits} bits: {median * 1e3:.1f} ms "
+    print(f"  encode+decode of {n_params:,} values at {bits} bits: {median * 1e3:.1f} ms "
           f"({100 * median / base:.1f} % of the plain step); compression overhead in the step "
           f"{100 * results['compression_overhead']:.1f} %", flush=True)
+    return results
 
+
+def table(all_results, bits):
+    lines = [
+        f"| model | params | batch x seq | plain step | with LoCo {bits}-bit | compression share of the compressed step "
+        "| encode + decode alone | TFLOP/s (plain) | MFU vs 989 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in all_results:
+        plain, comp = r["adamw"], r[f"loco{bits}+adamw"]
+        lines.append(
+            f"| {r['model']} | {r['params']:,} | {r['batch']} x {r['seq']} | {plain['step_s'] * 1e3:.1f} ms | "
+            f"{comp['step_s'] * 1e3:.1f} ms ({comp['step_s'] / plain['step_s']:.2f}x) | "
+            f"{100 * r['compression_share_of_compressed_step']:.1f} % | {r['encode_decode_s'] * 1e3:.1f} ms "
+            f"({100 * r['encode_decode_share_of_step']:.1f} % of the plain step) | {plain['tflops']:.2f} | "
+            f"{100 * plain['mfu_vs_989']:.2f} % |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="1b", help="one or more of " + ", ".join(sorted(model_lib.CONFIGS)) + ", comma-separated")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_check"))
+    ap.add_argument("--write-results", action="store_true", help="also put the table into docs/results.md")
+    args = ap.parse_args()
+    models = args.model.split(",")
+    unknown = [m for m in models if m not in model_lib.CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {unknown}; choose from {sorted(model_lib.CONFIGS)}")
+    all_results = [measure(m, args.batch, args.seq, args.steps, args.bits) for m in models]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump(results, f, indent=2)
+        json.dump(all_results if len(all_results) > 1 else all_results[0], f, indent=2)
     print(f"wrote {os.path.join(args.out, 'gpu_check.json')}")
+    text = table(all_results, args.bits)
+    print(text)
+    if args.write_results:
+        from benchmarks import common
+
+        heading = f"## Compression overhead on {jax.default_backend().upper()} (benchmarks/gpu_check.py)"
+        body = (f"One device, synthetic tokens; median of {args.steps} steps after two warm-up steps, the two "
+                "variants compiled and timed one after the other in one process. The compressed step runs "
+                f"`loco.compress(bits={args.bits}, axis_name=None)` before AdamW: quantize, pack, unpack and the "
+                "error update, everything but the network. MFU counts 6 x params x tokens plus attention against "
+                "an H200's 989 TFLOP/s (790 is what dense matmuls reach in practice); on CPU it only shows how far "
+                "a CPU is from that.\n\n" + text)
+        common.write_section(heading, body, extra_args=sys.argv[1:])
 
 
 if __name__ == "__main__":

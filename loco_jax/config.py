@@ -104,6 +104,9 @@ class Config:
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     nonfinite: str = "skip"  # "skip" a step with NaN/Inf anywhere, or "stop" the run
+    # On a resume with another mesh (elastic restart): each replica's inner optimizer state is "copy"-ed
+    # from replica 0, or "reset" (moments zero; step counts, hence the schedules, kept).
+    elastic_inner_state: str = "copy"
     model: ModelFields = dataclasses.field(default_factory=ModelFields)
     mesh: MeshFields = dataclasses.field(default_factory=MeshFields)
     data: DataFields = dataclasses.field(default_factory=DataFields)
@@ -112,9 +115,9 @@ class Config:
     diloco: DilocoFields = dataclasses.field(default_factory=DilocoFields)
 
 
-# Fields whose change on resume would silently change the run: refused. (The mesh too, until
-# elastic restarts on other replica or device counts are supported.)
-FROZEN_ON_RESUME = ("model", "optim", "loco", "diloco", "seed", "batch_size", "seq_len", "data", "mesh")
+# Fields whose change on resume would silently change the run: refused. The mesh may change: that is
+# an elastic restart (see trainer.restore_elastic).
+FROZEN_ON_RESUME = ("model", "optim", "loco", "diloco", "seed", "batch_size", "seq_len", "data")
 
 
 def keys(cfg, prefix="") -> list[str]:
@@ -230,6 +233,8 @@ def validate(cfg: Config):
         )
     if cfg.nonfinite not in ("skip", "stop"):
         raise ValueError(f"nonfinite={cfg.nonfinite!r} must be 'skip' or 'stop'.")
+    if cfg.elastic_inner_state not in ("copy", "reset"):
+        raise ValueError(f"elastic_inner_state={cfg.elastic_inner_state!r} must be 'copy' or 'reset'.")
     if cfg.data.tokenizer not in ("byte", "sentencepiece"):
         raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} must be 'byte' or 'sentencepiece'.")
 

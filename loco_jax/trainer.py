@@ -463,6 +463,82 @@ def _restore(manager, step, trainer):
     return join_by_kind(loaded, like), restored["meta"]
 
 
+def _read_meta(manager, step):
+    import orbax.checkpoint as ocp
+
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def _in_flight(trainer, diloco_step):
+    """(fragment, steps left) of an exchange sent but not yet applied after DiLoCo step ``diloco_step``, or None."""
+    for j in range(1, trainer.cfg.diloco.overlap):
+        ph = trainer.tx.phase(diloco_step + j)
+        if ph.apply is not None and ph.apply != ph.send:
+            return ph.apply, j
+    return None
+
+
+def restore_elastic(manager, step, trainer, saved_mesh, log):
+    """Restores a checkpoint written on another (replica, data) mesh: an elastic restart.
+
+    The rule: global parameters, outer optimizer states and every step count
+    carry over (they are the same on every device); each replica's local
+    parameters start from the global ones; its inner optimizer state is
+    replica 0's (``elastic_inner_state="copy"``) or fresh moments with the step
+    counts kept (``"reset"``); LoCo's and the outer exchange's error buffers
+    (per device) restart at zero. An in-flight exchange (overlap >= 2, between
+    its send and its apply) cannot be completed without the old replicas, so
+    such a checkpoint is refused with the number of steps to run on the old
+    mesh first. The data position is global (sample index), so it is kept.
+    """
+    import orbax.checkpoint as ocp
+
+    m_old, d_old = saved_mesh["replica"], saved_mesh["data"]
+    cfg, mesh = trainer.cfg, trainer.mesh
+    like = trainer.abstract_state()
+    parts = split_by_kind(like, trainer.specs)
+    old_shape = lambda a: (a.shape[0] // trainer.m * m_old,) + tuple(a.shape[1:])
+    args = {"meta": ocp.args.JsonRestore()}
+    if parts["global"]:
+        args["global"] = ocp.args.StandardRestore(parts["global"])
+    if parts["replica"]:  # host copies of the old layout: replica 0's block is read from them
+        args["replica"] = ocp.args.StandardRestore({k: np.zeros(old_shape(a), a.dtype) for k, a in parts["replica"].items()})
+    restored = manager.restore(step, args=ocp.args.Composite(**args))
+    meta = restored["meta"]
+    if cfg.diloco.enabled:
+        flight = _in_flight(trainer, int(restored["global"][".opt_state.step"]))
+        if flight is not None:
+            raise ValueError(
+                f"the checkpoint at step {step} holds fragment {flight[0]}'s outer-gradient mean in flight "
+                f"(overlap={cfg.diloco.overlap}); it cannot be completed on another mesh. Resume on the old mesh "
+                f"(replica={m_old}, data={d_old}) for at least {flight[1]} more step(s) and checkpoint there."
+            )
+    fresh = trainer.init_state()  # zero error buffers and fresh moments on the new mesh
+    fresh_parts = split_by_kind(fresh, trainer.specs)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+    spec_of = dict(zip(paths, jax.tree.leaves(trainer.specs, is_leaf=lambda x: isinstance(x, P))))
+    replica = {}
+    for key, old in restored.get("replica", {}).items():
+        block = np.asarray(old)[: old.shape[0] // m_old]  # replica 0
+        if key.startswith(".params") or cfg.elastic_inner_state == "reset":
+            replica[key] = fresh_parts["replica"][key]  # params: replaced by the global ones below
+        else:
+            tiled = np.concatenate([block] * trainer.m)
+            sharding = NamedSharding(mesh, spec_of[key])
+            replica[key] = jax.make_array_from_callback(tiled.shape, sharding, lambda idx, t=tiled: t[idx])
+    state = join_by_kind({"global": restored.get("global", {}), "replica": replica, "device": fresh_parts["device"]}, like)
+    if cfg.diloco.enabled:
+        tile = jax.jit(lambda g: jax.tree.map(lambda x: jnp.concatenate([x] * trainer.m), g),
+                       out_shardings=NamedSharding(mesh, trainer.param_spec))
+        state = TrainState(tile(diloco.global_params(state.opt_state)), state.opt_state)
+    inner = "copied from replica 0" if cfg.elastic_inner_state == "copy" else "reset (moments zero, step counts kept)"
+    log(f"elastic restart at step {step}: mesh (replica={m_old}, data={d_old}) -> (replica={trainer.m}, "
+        f"data={trainer.d}); global parameters, outer optimizer states and step counts carried over; local "
+        f"parameters start from the global ones; inner optimizer state {inner}; LoCo and outer error buffers "
+        "restart at zero; data position kept")
+    return state, meta
+
+
 def _check_resume_config(workdir, cfg, log):
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
@@ -510,8 +586,12 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
     latest = manager.latest_step()
     if latest is None:
         state = trainer.init_state()
-    else:  # restore into abstract shapes: the fresh state is never allocated beside the restored one
-        state, meta = _restore(manager, latest, trainer)
+    else:
+        saved_mesh = _read_meta(manager, latest).get("mesh")
+        if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"]) != (trainer.m, trainer.d):
+            state, meta = restore_elastic(manager, latest, trainer, saved_mesh, log)
+        else:  # restore into abstract shapes: the fresh state is never allocated beside the restored one
+            state, meta = _restore(manager, latest, trainer)
         start, data_state, bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
         log(f"resumed from checkpoint at step {start}")
     if is_main:
@@ -587,7 +667,8 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
 
                 stop.requested = bool(np.any(multihost_utils.process_allgather(np.array(stop.requested))))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop.requested:
-                _save(manager, step, trainer, state, {"step": step, "data": batches.state(), "bytes_sent": bytes_so_far})
+                _save(manager, step, trainer, state, {"step": step, "data": batches.state(), "bytes_sent": bytes_so_far,
+                                                      "mesh": {"replica": trainer.m, "data": trainer.d}})
                 last_saved = step
             if stop.requested:
                 log(f"stop requested: checkpoint written at step {step}; exiting")

@@ -1,0 +1,120 @@
+"""Elastic restart: a DiLoCo checkpoint resumes on another number of replicas or data devices.
+
+M 2 -> 4 (data 4 -> 2) in this process's 8 devices, and data 4 -> 2 at M = 2 in
+a process that sees only 4 devices (fewer machines after a failure).
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from loco_jax import diloco, trainer
+from tests.test_trainer import ROOT, quiet, small_config, text_file, write_config_file  # noqa: F401
+
+STOP = 6  # fragment 0 syncs after step 6 and is applied in step 7's program (tau = 1): nothing in flight at 6
+
+
+def _blocks(x, m):
+    x = np.asarray(x)
+    return np.split(x, m)
+
+
+@pytest.fixture(scope="module")
+def first_half(text_file, tmp_path_factory):  # noqa: F811
+    """M = 2 x D = 4 run stopped (checkpointed) after STOP steps."""
+    workdir = tmp_path_factory.mktemp("elastic")
+    cfg = small_config(text_file)
+    summary = trainer.train_and_evaluate(cfg, str(workdir), log=quiet, stop_after=STOP)
+    assert summary["last_step"] == STOP
+    return str(workdir), cfg, summary["state"]
+
+
+def _copy(src, dst):
+    subprocess.run(["cp", "-r", src, dst], check=True)
+    return dst
+
+
+@pytest.mark.parametrize("inner", ["copy", "reset"])
+def test_two_to_four_replicas_carries_global_state_and_restarts_locals(first_half, inner, tmp_path):
+    src, cfg, before = first_half
+    workdir = _copy(src, str(tmp_path / "run"))
+    new_cfg = small_config(cfg.data.path, **{"mesh.replicas": 4, "elastic_inner_state": inner})
+    t = trainer.Trainer(new_cfg, workdir, log=quiet)
+    manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
+    logs = []
+    state, meta = trainer.restore_elastic(manager, STOP, t, {"replica": 2, "data": 4}, logs.append)
+    assert meta["step"] == STOP and t.m == 4 and t.d == 2
+    assert "mesh (replica=2, data=4) -> (replica=4, data=2)" in logs[0] and inner in ("copy", "reset")
+
+    old_opt, new_opt = before.opt_state, state.opt_state
+    host = lambda tree: jax.tree.map(np.asarray, tree)
+    # global parameters, outer states and counts: carried over exactly
+    jax.tree.map(np.testing.assert_array_equal, host(new_opt.global_params), host(old_opt.global_params))
+    jax.tree.map(np.testing.assert_array_equal, host(new_opt.outer), host(old_opt.outer))
+    assert int(new_opt.step) == int(old_opt.step) == STOP and int(new_opt.skipped) == 0
+    # local parameters: every one of the 4 replicas starts from the global ones
+    for local, glob in zip(jax.tree.leaves(host(state.params)), jax.tree.leaves(host(new_opt.global_params))):
+        for block in _blocks(local, 4):
+            np.testing.assert_array_equal(block, glob)
+    # inner state: Adam moments are replica 0's, or zero
+    adam_old = [x for x in jax.tree.leaves(host(old_opt.inner)) if x.ndim >= 2]
+    adam_new = [x for x in jax.tree.leaves(host(new_opt.inner)) if x.ndim >= 2]
+    moments = [(o, n) for o, n in zip(adam_old, adam_new) if o.shape[0] // 2 == n.shape[0] // 4]
+    assert moments
+    for old, new in moments:
+        for block in _blocks(new, 4):
+            if inner == "copy":
+                np.testing.assert_array_equal(block, _blocks(old, 2)[0])
+            else:
+                assert not np.any(block)
+    # LoCo's per-device error buffers restart at zero (they were not zero before)
+    old_trainer = trainer.Trainer(cfg, workdir, log=quiet)
+    old_trainer.abstract_state()  # builds its specs
+    assert old_trainer.loco_error_rms(before) > 0
+    assert t.loco_error_rms(state) == 0.0
+
+
+def test_elastic_resume_through_the_trainer_logs_and_trains_on(first_half, tmp_path):
+    src, cfg, before = first_half
+    workdir = _copy(src, str(tmp_path / "run"))
+    logs = []
+    summary = trainer.train_and_evaluate(small_config(cfg.data.path, **{"mesh.replicas": 4}), workdir, log=logs.append)
+    assert any("elastic restart at step 6" in line for line in logs), logs
+    assert summary["last_step"] == cfg.steps and np.isfinite(summary["eval_loss"])
+    rows = trainer.read_metrics(workdir)
+    assert [r["step"] for r in rows if "loss" in r] == list(range(2, cfg.steps + 1, 2))  # nothing logged twice
+    # the run goes on from the carried-over global parameters: fragment 1 (not synced since) still equals them
+    state = summary["state"]
+    assert int(state.opt_state.step) == cfg.steps
+
+
+def test_data_four_to_two_in_a_process_with_four_devices(first_half, tmp_path):
+    src, cfg, before = first_half
+    workdir = _copy(src, str(tmp_path / "run"))
+    config = write_config_file(tmp_path / "cfg.py", cfg)
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", config, "--workdir", workdir, "--local-devices", "4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert "mesh (replica=2, data=4) -> (replica=2, data=2)" in text, text[-3000:]
+    assert "done: step 12" in text
+
+
+def test_in_flight_exchange_is_refused_on_another_mesh(text_file, tmp_path):  # noqa: F811
+    # overlap 2 (H 6, P 2): fragment 0 is sent in step 7 and applied in step 8, so step 7's checkpoint holds it
+    flight = {"diloco.overlap": 2, "diloco.num_fragments": 2}
+    cfg = small_config(text_file, **flight)
+    workdir = str(tmp_path / "run")
+    trainer.train_and_evaluate(cfg, workdir, log=quiet, stop_after=7)
+    with pytest.raises(ValueError, match=r"fragment 0's outer-gradient mean in flight .*at least 1 more step"):
+        trainer.train_and_evaluate(small_config(text_file, **flight, **{"mesh.replicas": 4}), workdir, log=quiet)
+    assert ocp.CheckpointManager(os.path.join(workdir, "checkpoints")).latest_step() == 7  # nothing overwritten
+    assert diloco.Phase(0, None) == trainer.Trainer(cfg, workdir, log=quiet).tx.phase(7)

@@ -31,7 +31,6 @@ Groups:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -110,17 +109,9 @@ def finished(name) -> bool:
 
 
 def _metrics(name):
-    path = os.path.join(RUNS, name, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return rows
+    from loco_jax.trainer import read_metrics  # rows cut short by a kill are skipped
+
+    return read_metrics(os.path.join(RUNS, name))
 
 
 def run_cell(name, overrides, index, total):

@@ -92,20 +92,18 @@ def setup():
             f.write(f"127.0.0.1 localhost\n{addr} {host}\n")
 
 
-def set_rate(dev, rate):
-    """Limits this namespace's egress on ``dev`` to ``rate`` ('none' removes the limit)."""
-    sh("tc", "qdisc", "del", "dev", dev, "root", check=False)
+def set_rate(dev, rate, namespace=None):
+    """Limits the egress of ``dev`` to ``rate`` ('none' removes the limit), in ``namespace`` or this one."""
+    tc = ("ip", "netns", "exec", namespace, "tc") if namespace else ("tc",)
+    sh(*tc, "qdisc", "del", "dev", dev, "root", check=False)
     if rate != "none":
-        sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, *TBF.get(rate, "burst 64kb latency 100ms").split())
+        sh(*tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, *TBF.get(rate, "burst 64kb latency 100ms").split())
 
 
 def link_throughput(rate, megabytes=8):
     """Mbit/s of one TCP stream from ljnet1 to ljnet0 at ``rate`` (checks what tbf gives)."""
     for ns, dev in zip(NAMESPACES, VETH):
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
-        if rate != "none":
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-               *TBF.get(rate, "burst 64kb latency 100ms").split())
+        set_rate(dev, rate, ns)
     server = ("import socket,time;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
               f"s.bind(('{ADDRS[0]}',{PORT + 1}));s.listen(1);c,_=s.accept();n=0;t=None\n"
               "while True:\n b=c.recv(1<<20)\n if t is None: t=time.perf_counter()\n if not b: break\n n+=len(b)\n"

@@ -513,19 +513,15 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
                 f"(overlap={cfg.diloco.overlap}); it cannot be completed on another mesh. Resume on the old mesh "
                 f"(replica={m_old}, data={d_old}) for at least {flight[1]} more step(s) and checkpoint there."
             )
-    fresh = trainer.init_state()  # zero error buffers and fresh moments on the new mesh
-    fresh_parts = split_by_kind(fresh, trainer.specs)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
-    spec_of = dict(zip(paths, jax.tree.leaves(trainer.specs, is_leaf=lambda x: isinstance(x, P))))
+    fresh_parts = split_by_kind(trainer.init_state(), trainer.specs)  # zero error buffers, fresh moments
     replica = {}
     for key, old in restored.get("replica", {}).items():
-        block = np.asarray(old)[: old.shape[0] // m_old]  # replica 0
+        fresh = fresh_parts["replica"][key]
         if key.startswith(".params") or cfg.elastic_inner_state == "reset":
-            replica[key] = fresh_parts["replica"][key]  # params: replaced by the global ones below
+            replica[key] = fresh  # params: replaced by the global ones below
         else:
-            tiled = np.concatenate([block] * trainer.m)
-            sharding = NamedSharding(mesh, spec_of[key])
-            replica[key] = jax.make_array_from_callback(tiled.shape, sharding, lambda idx, t=tiled: t[idx])
+            tiled = np.concatenate([np.asarray(old)[: old.shape[0] // m_old]] * trainer.m)  # replica 0's block
+            replica[key] = jax.make_array_from_callback(tiled.shape, fresh.sharding, lambda idx, t=tiled: t[idx])
     state = join_by_kind({"global": restored.get("global", {}), "replica": replica, "device": fresh_parts["device"]}, like)
     if cfg.diloco.enabled:
         tile = jax.jit(lambda g: jax.tree.map(lambda x: jnp.concatenate([x] * trainer.m), g),

@@ -5,6 +5,7 @@ a process that sees only 4 devices (fewer machines after a failure).
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -35,7 +36,7 @@ def first_half(text_file, tmp_path_factory):  # noqa: F811
 
 
 def _copy(src, dst):
-    subprocess.run(["cp", "-r", src, dst], check=True)
+    shutil.copytree(src, dst)
     return dst
 
 
@@ -49,7 +50,7 @@ def test_two_to_four_replicas_carries_global_state_and_restarts_locals(first_hal
     logs = []
     state, meta = trainer.restore_elastic(manager, STOP, t, {"replica": 2, "data": 4}, logs.append)
     assert meta["step"] == STOP and t.m == 4 and t.d == 2
-    assert "mesh (replica=2, data=4) -> (replica=4, data=2)" in logs[0] and inner in ("copy", "reset")
+    assert "mesh (replica=2, data=4) -> (replica=4, data=2)" in logs[0]
 
     old_opt, new_opt = before.opt_state, state.opt_state
     host = lambda tree: jax.tree.map(np.asarray, tree)
@@ -88,9 +89,7 @@ def test_elastic_resume_through_the_trainer_logs_and_trains_on(first_half, tmp_p
     assert summary["last_step"] == cfg.steps and np.isfinite(summary["eval_loss"])
     rows = trainer.read_metrics(workdir)
     assert [r["step"] for r in rows if "loss" in r] == list(range(2, cfg.steps + 1, 2))  # nothing logged twice
-    # the run goes on from the carried-over global parameters: fragment 1 (not synced since) still equals them
-    state = summary["state"]
-    assert int(state.opt_state.step) == cfg.steps
+    assert int(summary["state"].opt_state.step) == cfg.steps
 
 
 def test_data_four_to_two_in_a_process_with_four_devices(first_half, tmp_path):

@@ -139,9 +139,9 @@ def test_poisoned_step_is_skipped_everywhere_and_the_run_equals_one_without_it(
     assert [r["skipped_steps"] for r in rows if "skipped_steps" in r][-1] == 1
     _assert_finite(state)  # error buffers, global params, outer momentum, Adam moments, in-flight buffer
     ref = clean_reference["state"]
-    chex_equal = lambda a, b: jax.tree.map(np.testing.assert_array_equal, _host(a), _host(b))
-    chex_equal(state.params, ref.params)
-    chex_equal(state.opt_state._replace(skipped=ref.opt_state.skipped), ref.opt_state)
+    assert_equal = lambda a, b: jax.tree.map(np.testing.assert_array_equal, _host(a), _host(b))
+    assert_equal(state.params, ref.params)
+    assert_equal(state.opt_state._replace(skipped=ref.opt_state.skipped), ref.opt_state)
     assert np.isfinite(summary["eval_loss"])
 
 

@@ -78,6 +78,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -387,8 +388,38 @@ def diloco(
             index = jnp.where((send == s) & (apply == a), i, index)
         return index
 
+    def relayout_inflight(inflight, params, fragment, old_mesh, new_mesh):
+        """The in-flight mean of ``fragment`` written on ``old_mesh``, cut into ``new_mesh``'s slices.
+
+        ``inflight`` is the global (host) view of ``DiLoCoState.inflight`` on
+        ``old_mesh = (M, D)`` (D: the data devices this optimizer slices over,
+        1 when ``data_axis`` is None): D rows of ``k_max`` values, row ``j`` holding
+        data device ``j``'s slice of ``mean_m(theta_global - theta_m)``
+        (identical on every replica). Row ``j``'s first ``k(D, M)`` values
+        are its slice, so concatenating them and keeping the fragment's
+        ``n_p`` values gives the whole mean, which is cut again into
+        ``k(D', M')``-value slices and padded to the new ``k_max``. Applying
+        the result on the new mesh is exactly the apply the old mesh would
+        have made: the exchange is completed, not dropped.
+        """
+        sizes = plan_of(params).fragment_sizes()
+        (m_old, d_old), (m_new, d_new) = old_mesh, new_mesh
+        size = sizes[fragment]
+        k_old, k_new = slice_len(size, d_old, m_old), slice_len(size, d_new, m_new)
+        inflight = np.asarray(inflight, np.float32)
+        if inflight.shape[0] % d_old or inflight.shape[0] // d_old < k_old:
+            raise ValueError(
+                f"inflight of shape {inflight.shape} does not hold {d_old} slices of {k_old} values "
+                f"(fragment {fragment} of {size} values on mesh replica={m_old}, data={d_old})."
+            )
+        mean = inflight.reshape(d_old, -1)[:, :k_old].reshape(-1)[:size]
+        k_max = max(slice_len(s, d_new, m_new) for s in sizes)
+        out = np.zeros((d_new, k_max), np.float32)
+        out[:, :k_new] = np.pad(mean, (0, k_new * d_new - size)).reshape(d_new, k_new)
+        return out.reshape(-1)
+
     tx = DiLoCo(init_fn, update_fn)
-    tx.phase, tx.phases, tx.plan = _phase, all_phases, plan_of
+    tx.phase, tx.phases, tx.plan, tx.relayout_inflight = _phase, all_phases, plan_of, relayout_inflight
     return tx
 
 

@@ -469,6 +469,52 @@ def _read_meta(manager, step):
     return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
+INFLIGHT = ".opt_state.inflight"  # checkpoint key of DiLoCoState.inflight (TrainState.opt_state is the DiLoCo state)
+
+
+def _saved_leaves(manager, step, item):
+    """{path: metadata with .shape and .dtype} of one checkpoint item, read without loading any array."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(str(manager.directory), str(step), item)
+    if not os.path.isdir(path):
+        return {}
+    saved = ocp.PyTreeCheckpointer().metadata(path).item_metadata
+    return dict(getattr(saved, "tree", saved))
+
+
+def _read_leaves(manager, step, item, keys):
+    """Host copies of some leaves of one checkpoint item, at their saved shapes (a partial restore)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(str(manager.directory), str(step), item)
+    checkpointer = ocp.PyTreeCheckpointer()
+    saved = _saved_leaves(manager, step, item)
+    item_args = {k: np.zeros(saved[k].shape, saved[k].dtype) for k in keys}
+    restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item_args, restore_args=restore_args,
+                                                                  partial_restore=True))
+
+
+def _check_saved_shapes(manager, step, trainer):
+    """Refuses a checkpoint whose arrays do not fit this run's state (clear message, before any restore).
+
+    Checkpoints record the mesh they were written on, and a different mesh is an elastic restart. One
+    without that record (written before it existed) must fit the current mesh exactly.
+    """
+    for kind, leaves in split_by_kind(trainer.abstract_state(), trainer.specs).items():
+        saved = _saved_leaves(manager, step, kind)
+        for key, want in leaves.items():
+            have = saved.get(key)
+            if have is None or tuple(have.shape) != tuple(want.shape):
+                found = "missing" if have is None else f"shape {tuple(have.shape)}"
+                raise ValueError(
+                    f"the checkpoint at step {step} does not record the mesh it was written on, and its state "
+                    f"leaf {key!r} is {found} where this run (mesh replica={trainer.m}, data={trainer.d}) needs "
+                    f"shape {tuple(want.shape)}. Resume it on the mesh it was written on."
+                )
+
+
 def _in_flight(trainer, diloco_step):
     """(fragment, steps left) of an exchange sent but not yet applied after DiLoCo step ``diloco_step``, or None."""
     for j in range(1, trainer.cfg.diloco.overlap):
@@ -486,10 +532,13 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
     parameters start from the global ones; its inner optimizer state is
     replica 0's (``elastic_inner_state="copy"``) or fresh moments with the step
     counts kept (``"reset"``); LoCo's and the outer exchange's error buffers
-    (per device) restart at zero. An in-flight exchange (overlap >= 2, between
-    its send and its apply) cannot be completed without the old replicas, so
-    such a checkpoint is refused with the number of steps to run on the old
-    mesh first. The data position is global (sample index), so it is kept.
+    (per device) restart at zero. An in-flight exchange (overlap >= 2, a
+    checkpoint between a fragment's send and its apply) is completed: the old
+    replicas' mean outer gradient is already in the checkpoint (identical on
+    every replica), so it is re-cut into the new data devices' slices
+    (``tx.relayout_inflight``) and applied at its scheduled step, exactly as
+    the old mesh would have applied it. The data position is global (sample
+    index), so it is kept.
     """
     import orbax.checkpoint as ocp
 
@@ -505,15 +554,14 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
         args["replica"] = ocp.args.StandardRestore({k: np.zeros(old_shape(a), a.dtype) for k, a in parts["replica"].items()})
     restored = manager.restore(step, args=ocp.args.Composite(**args))
     meta = restored["meta"]
-    if cfg.diloco.enabled:
-        flight = _in_flight(trainer, int(restored["global"][".opt_state.step"]))
-        if flight is not None:
-            raise ValueError(
-                f"the checkpoint at step {step} holds fragment {flight[0]}'s outer-gradient mean in flight "
-                f"(overlap={cfg.diloco.overlap}); it cannot be completed on another mesh. Resume on the old mesh "
-                f"(replica={m_old}, data={d_old}) for at least {flight[1]} more step(s) and checkpoint there."
-            )
     fresh_parts = split_by_kind(trainer.init_state(), trainer.specs)  # zero error buffers, fresh moments
+    device = dict(fresh_parts["device"])
+    flight = _in_flight(trainer, int(restored["global"][".opt_state.step"])) if cfg.diloco.enabled else None
+    if flight is not None:
+        saved = _read_leaves(manager, step, "device", [INFLIGHT])[INFLIGHT]
+        moved = trainer.tx.relayout_inflight(saved, model_lib.abstract_params(trainer.mcfg), flight[0],
+                                             (m_old, d_old), (trainer.m, trainer.d))
+        device[INFLIGHT] = jax.make_array_from_callback(moved.shape, device[INFLIGHT].sharding, lambda idx: moved[idx])
     replica = {}
     for key, old in restored.get("replica", {}).items():
         fresh = fresh_parts["replica"][key]
@@ -522,7 +570,7 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
         else:
             tiled = np.concatenate([np.asarray(old)[: old.shape[0] // m_old]] * trainer.m)  # replica 0's block
             replica[key] = jax.make_array_from_callback(tiled.shape, fresh.sharding, lambda idx, t=tiled: t[idx])
-    state = join_by_kind({"global": restored.get("global", {}), "replica": replica, "device": fresh_parts["device"]}, like)
+    state = join_by_kind({"global": restored.get("global", {}), "replica": replica, "device": device}, like)
     if cfg.diloco.enabled:
         tile = jax.jit(lambda g: jax.tree.map(lambda x: jnp.concatenate([x] * trainer.m), g),
                        out_shardings=NamedSharding(mesh, trainer.param_spec))
@@ -532,6 +580,9 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
         f"data={trainer.d}); global parameters, outer optimizer states and step counts carried over; local "
         f"parameters start from the global ones; inner optimizer state {inner}; LoCo and outer error buffers "
         "restart at zero; data position kept")
+    if flight is not None:
+        log(f"elastic restart: fragment {flight[0]}'s outer-gradient mean was in flight (sent by the old replicas); "
+            f"it is re-cut for the new mesh and applied in {flight[1]} step(s), as scheduled")
     return state, meta
 
 
@@ -572,8 +623,6 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
     trainer = Trainer(cfg, workdir, log)
     trainer.dataset  # load (or download) the data before anything compiles
     is_main = jax.process_index() == 0
-    if is_main:
-        _write_atomic(os.path.join(workdir, "config.json"), config_lib.dumps(cfg))
     log(f"{mesh_lib.describe(trainer.mesh)}; model {model_lib.count_params(trainer.mcfg):,} parameters; "
         f"{'Streaming DiLoCo' if cfg.diloco.enabled else 'data parallel'}, loco bits={cfg.loco.bits}")
 
@@ -587,14 +636,16 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
         if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"]) != (trainer.m, trainer.d):
             state, meta = restore_elastic(manager, latest, trainer, saved_mesh, log)
         else:  # restore into abstract shapes: the fresh state is never allocated beside the restored one
+            if saved_mesh is None:
+                _check_saved_shapes(manager, latest, trainer)
             state, meta = _restore(manager, latest, trainer)
         start, data_state, bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
         log(f"resumed from checkpoint at step {start}")
-    if is_main:
-        _truncate_metrics(workdir, start)  # rows logged after the checkpoint (or with none) come again
     batches = trainer.dataset.train_iterator(seed=cfg.data.seed, state=data_state)
-
     _check_replicas_identical(trainer, state, resumed=latest is not None)
+    if is_main:  # written once the start is known to be sound: a refused resume leaves the workdir as it was
+        _write_atomic(os.path.join(workdir, "config.json"), config_lib.dumps(cfg))
+        _truncate_metrics(workdir, start)  # rows logged after the checkpoint (or with none) come again
     stop = _Stop()
     try:
         previous = signal.signal(signal.SIGTERM, stop)

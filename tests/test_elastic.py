@@ -4,6 +4,7 @@ M 2 -> 4 (data 4 -> 2) in this process's 8 devices, and data 4 -> 2 at M = 2 in
 a process that sees only 4 devices (fewer machines after a failure).
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import optax
 import pytest
 
 from loco_jax import diloco, trainer
@@ -107,13 +109,66 @@ def test_data_four_to_two_in_a_process_with_four_devices(first_half, tmp_path):
     assert "done: step 12" in text
 
 
-def test_in_flight_exchange_is_refused_on_another_mesh(text_file, tmp_path):  # noqa: F811
-    # overlap 2 (H 6, P 2): fragment 0 is sent in step 7 and applied in step 8, so step 7's checkpoint holds it
+def test_in_flight_exchange_is_completed_on_another_mesh(text_file, tmp_path):  # noqa: F811
+    # overlap 2 (H 6, P 2): fragment 0 is sent in step 7 and applied in step 8, so step 7's checkpoint holds its
+    # mean. Step 8 on M = 4 x D = 2 must apply exactly the mean the M = 2 x D = 4 replicas sent.
     flight = {"diloco.overlap": 2, "diloco.num_fragments": 2}
     cfg = small_config(text_file, **flight)
-    workdir = str(tmp_path / "run")
-    trainer.train_and_evaluate(cfg, workdir, log=quiet, stop_after=7)
-    with pytest.raises(ValueError, match=r"fragment 0's outer-gradient mean in flight .*at least 1 more step"):
-        trainer.train_and_evaluate(small_config(text_file, **flight, **{"mesh.replicas": 4}), workdir, log=quiet)
-    assert ocp.CheckpointManager(os.path.join(workdir, "checkpoints")).latest_step() == 7  # nothing overwritten
-    assert diloco.Phase(0, None) == trainer.Trainer(cfg, workdir, log=quiet).tx.phase(7)
+    src = str(tmp_path / "run")
+    trainer.train_and_evaluate(cfg, src, log=quiet, stop_after=7)
+    t7 = trainer.Trainer(cfg, src, log=quiet)
+    assert t7.tx.phase(7) == diloco.Phase(0, None) and t7.tx.phase(8) == diloco.Phase(None, 0)
+    same = trainer.train_and_evaluate(cfg, _copy(src, str(tmp_path / "same")), log=quiet, stop_after=8)
+    logs = []
+    moved = trainer.train_and_evaluate(small_config(text_file, **flight, **{"mesh.replicas": 4}),
+                                       _copy(src, str(tmp_path / "moved")), log=logs.append, stop_after=8)
+    assert any("fragment 0's outer-gradient mean was in flight" in line for line in logs), logs
+
+    host = lambda s: [np.asarray(x) for x in jax.tree.leaves(diloco.global_params(s.opt_state))]
+    manager = ocp.CheckpointManager(os.path.join(src, "checkpoints"))
+    at7, _ = trainer._restore(manager, 7, t7)
+    changed = [not np.array_equal(a, b) for a, b in zip(host(same["state"]), host(at7))]
+    assert any(changed), "step 8 applies fragment 0's outer update"
+    for a, b in zip(host(moved["state"]), host(same["state"])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_relayout_inflight_round_trips_the_mean_between_meshes():
+    params = {f"layers_{i}": {"w": jax.ShapeDtypeStruct((300, 7 + i), np.float32)} for i in range(2)}
+    params["embed"] = jax.ShapeDtypeStruct((50,), np.float32)
+    meshes = [(2, 4), (4, 2), (3, 1), (1, 8), (8, 1)]
+    for mode in ("all_gather", "two_stage"):  # two_stage slices are whole blocks per replica: k depends on M too
+        tx = diloco.diloco(optax.sgd(0.1), sync_every=8, num_fragments=2, overlap=2, block_size=64, mode=mode)
+        size = tx.plan(params).fragment_sizes()[1]
+        mean = np.random.default_rng(0).normal(size=size).astype(np.float32)
+        one = np.pad(mean, (0, 4096))  # one device: the mean, then padding
+        whole = lambda buf, mesh: tx.relayout_inflight(buf, params, 1, mesh, (1, 1))[:size]
+        for src in meshes:
+            buf = tx.relayout_inflight(one, params, 1, (1, 1), src)
+            np.testing.assert_array_equal(whole(buf, src), mean)
+            for dst in meshes:
+                out = tx.relayout_inflight(buf, params, 1, src, dst)
+                assert out.shape[0] % dst[1] == 0
+                np.testing.assert_array_equal(whole(out, dst), mean)
+                np.testing.assert_array_equal(tx.relayout_inflight(out, params, 1, dst, src), buf)
+        with pytest.raises(ValueError, match=r"does not hold 4 slices"):
+            tx.relayout_inflight(np.zeros(7, np.float32), params, 1, (2, 4), (4, 2))
+
+
+def test_checkpoint_without_a_recorded_mesh_must_fit_this_mesh(first_half, tmp_path):
+    # checkpoints written before the meta recorded the mesh: same mesh resumes, another is refused by name
+    src, cfg, before = first_half
+    workdir = _copy(src, str(tmp_path / "run"))
+    meta_file = os.path.join(workdir, "checkpoints", str(STOP), "meta", "metadata")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    del meta["mesh"]
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    config_before = open(os.path.join(workdir, "config.json")).read()
+    with pytest.raises(ValueError, match=r"does not record the mesh .* needs shape .* Resume it on the mesh"):
+        trainer.train_and_evaluate(small_config(cfg.data.path, **{"mesh.replicas": 4}), workdir, log=quiet)
+    assert ocp.CheckpointManager(os.path.join(workdir, "checkpoints")).latest_step() == STOP  # nothing written
+    assert open(os.path.join(workdir, "config.json")).read() == config_before
+    summary = trainer.train_and_evaluate(cfg, workdir, log=quiet, stop_after=STOP + 1)
+    assert summary["last_step"] == STOP + 1

@@ -110,7 +110,7 @@ class DiLoCoState(NamedTuple):
     outer: tuple  # one outer optimizer state per fragment
     step: jax.Array  # int32 []: completed inner steps
     skipped: jax.Array  # int32 []: steps skipped for non-finite values
-    inflight: jax.Array  # f32 [k_max]: reduced outer-gradient slice waiting to be applied (overlap >= 2)
+    inflight: jax.Array  # f32 [k_max]: reduced outer-gradient slice waiting to be applied ([1] placeholder when overlap < 2)
     error: tuple = ()  # per fragment: stored outer-gradient error of this device's slice (compensate=True)
     error_scale: tuple = ()
 
@@ -267,7 +267,8 @@ def diloco(
         outer_states = tuple(outer.init(plan.select(global_params, p)) for p in range(num_p))
         k = [slice_len(s, d, m) for s in plan.fragment_sizes()]
         device_axes = coll.manual_axes()
-        inflight = coll.to_varying(jnp.zeros((max(k),), jnp.float32), tuple(a for a in (data_axis,) if a in device_axes))
+        held = max(k) if overlap >= 2 else 1  # only tau >= 2 holds a mean across steps (1: orbax saves no empty array)
+        inflight = coll.to_varying(jnp.zeros((held,), jnp.float32), tuple(a for a in (data_axis,) if a in device_axes))
         error, error_scale = (), ()
         if compensate and bits is not None:
             stored = [

@@ -496,11 +496,12 @@ def _read_leaves(manager, step, item, keys):
                                                                   partial_restore=True))
 
 
-def _check_saved_shapes(manager, step, trainer):
+def _check_saved_shapes(manager, step, trainer, mesh_recorded):
     """Refuses a checkpoint whose arrays do not fit this run's state (clear message, before any restore).
 
-    Checkpoints record the mesh they were written on, and a different mesh is an elastic restart. One
-    without that record (written before it existed) must fit the current mesh exactly.
+    Checkpoints record the mesh they were written on, and a different mesh is an elastic restart; on the
+    same mesh every leaf must fit exactly. A checkpoint without that record (written before it existed)
+    can only be resumed on the mesh it was written on.
     """
     for kind, leaves in split_by_kind(trainer.abstract_state(), trainer.specs).items():
         saved = _saved_leaves(manager, step, kind)
@@ -508,10 +509,12 @@ def _check_saved_shapes(manager, step, trainer):
             have = saved.get(key)
             if have is None or tuple(have.shape) != tuple(want.shape):
                 found = "missing" if have is None else f"shape {tuple(have.shape)}"
+                why, fix = (("was written by another version of loco-jax", "Start a new --workdir")
+                            if mesh_recorded else
+                            ("does not record the mesh it was written on", "Resume it on the mesh it was written on"))
                 raise ValueError(
-                    f"the checkpoint at step {step} does not record the mesh it was written on, and its state "
-                    f"leaf {key!r} is {found} where this run (mesh replica={trainer.m}, data={trainer.d}) needs "
-                    f"shape {tuple(want.shape)}. Resume it on the mesh it was written on."
+                    f"the checkpoint at step {step} {why}: its state leaf {key!r} is {found} where this run "
+                    f"(mesh replica={trainer.m}, data={trainer.d}) needs shape {tuple(want.shape)}. {fix}."
                 )
 
 
@@ -636,8 +639,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
         if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"]) != (trainer.m, trainer.d):
             state, meta = restore_elastic(manager, latest, trainer, saved_mesh, log)
         else:  # restore into abstract shapes: the fresh state is never allocated beside the restored one
-            if saved_mesh is None:
-                _check_saved_shapes(manager, latest, trainer)
+            _check_saved_shapes(manager, latest, trainer, mesh_recorded=saved_mesh is not None)
             state, meta = _restore(manager, latest, trainer)
         start, data_state, bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
         log(f"resumed from checkpoint at step {start}")

@@ -166,9 +166,27 @@ def test_checkpoint_without_a_recorded_mesh_must_fit_this_mesh(first_half, tmp_p
     with open(meta_file, "w") as f:
         json.dump(meta, f)
     config_before = open(os.path.join(workdir, "config.json")).read()
-    with pytest.raises(ValueError, match=r"does not record the mesh .* needs shape .* Resume it on the mesh"):
+    with pytest.raises(ValueError, match=r"does not record the mesh .*: its state leaf .* needs shape .* Resume it on the mesh"):
         trainer.train_and_evaluate(small_config(cfg.data.path, **{"mesh.replicas": 4}), workdir, log=quiet)
     assert ocp.CheckpointManager(os.path.join(workdir, "checkpoints")).latest_step() == STOP  # nothing written
     assert open(os.path.join(workdir, "config.json")).read() == config_before
     summary = trainer.train_and_evaluate(cfg, workdir, log=quiet, stop_after=STOP + 1)
     assert summary["last_step"] == STOP + 1
+
+
+def test_checkpoint_that_does_not_fit_on_its_own_mesh_is_refused_by_name(first_half, tmp_path, monkeypatch):
+    # e.g. a checkpoint from a version with another state layout: named before orbax sees a mismatched target
+    src, cfg, before = first_half
+    workdir = _copy(src, str(tmp_path / "run"))
+    real = trainer._saved_leaves
+
+    def older_layout(manager, step, item):
+        leaves = real(manager, step, item)
+        if trainer.INFLIGHT in leaves:
+            leaves[trainer.INFLIGHT] = jax.ShapeDtypeStruct((17408,), np.float32)
+        return leaves
+
+    monkeypatch.setattr(trainer, "_saved_leaves", older_layout)
+    with pytest.raises(ValueError, match=r"another version of loco-jax: its state leaf '.opt_state.inflight' is "
+                                         r"shape \(17408,\) where .* needs shape \(4,\). Start a new --workdir"):
+        trainer.train_and_evaluate(cfg, workdir, log=quiet)

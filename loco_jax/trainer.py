@@ -53,7 +53,10 @@ BATCH_SPEC = P(("replica", "data"))
 
 
 def learning_rate_schedule(cfg: config_lib.Config):
-    """Linear warm-up to ``optim.lr``, cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+    """Linear warm-up to ``optim.lr``, cosine decay to ``lr * min_lr_ratio`` at ``steps``.
+
+    A warm-up of ``steps`` or more is shortened to ``steps - 1`` (the trainer logs it): the peak is reached.
+    """
     o = cfg.optim
     warmup = min(o.warmup_steps, max(cfg.steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
@@ -628,6 +631,9 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
     is_main = jax.process_index() == 0
     log(f"{mesh_lib.describe(trainer.mesh)}; model {model_lib.count_params(trainer.mcfg):,} parameters; "
         f"{'Streaming DiLoCo' if cfg.diloco.enabled else 'data parallel'}, loco bits={cfg.loco.bits}")
+    if cfg.optim.warmup_steps >= cfg.steps:
+        log(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} >= steps={cfg.steps}; the warm-up is shortened to "
+            f"{max(cfg.steps - 1, 0)} step(s) so the learning rate still reaches its peak and decays")
 
     manager = _checkpoint_manager(workdir, cfg.keep_checkpoints)
     start, data_state, bytes_so_far = 0, None, 0.0

@@ -274,3 +274,12 @@ def test_data_parallel_configs_train(text_file, tmp_path, bits):
     rows = trainer.read_metrics(str(tmp_path))
     assert summary["last_step"] == 6 and rows[-1]["loss"] < rows[0]["loss"]
     assert int(summary["state"].opt_state.skipped) == 0
+
+
+def test_warmup_longer_than_the_run_is_shortened_so_the_peak_is_reached():
+    cfg = config_lib.Config(steps=10)
+    cfg.optim.warmup_steps, cfg.optim.lr, cfg.optim.min_lr_ratio = 50, 1e-3, 0.1
+    lr = trainer.learning_rate_schedule(cfg)
+    values = [float(lr(t)) for t in range(cfg.steps + 1)]
+    assert values[0] == 0.0 and np.isclose(max(values), 1e-3) and np.argmax(values) == cfg.steps - 1
+    assert np.isclose(values[cfg.steps], 1e-4)

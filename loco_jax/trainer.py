@@ -452,11 +452,14 @@ def _save(manager, step, trainer, state, extra):
     manager.wait_until_finished()
 
 
-def _restore(manager, step, trainer):
+def _restore(manager, step, trainer, mesh_recorded=True):
+    """The state and meta of a checkpoint written on this mesh, restored into abstract shapes (the fresh
+    state is never allocated beside it). Saved shapes are checked first (:func:`_check_saved_shapes`)."""
     import orbax.checkpoint as ocp
 
     like = trainer.abstract_state()
     parts = split_by_kind(like, trainer.specs)
+    _check_saved_shapes(manager, step, parts, trainer, mesh_recorded)
     args = {k: ocp.args.StandardRestore(v) for k, v in parts.items() if v}
     args["meta"] = ocp.args.JsonRestore()
     restored = manager.restore(step, args=ocp.args.Composite(**args))
@@ -475,38 +478,39 @@ def _read_meta(manager, step):
 INFLIGHT = ".opt_state.inflight"  # checkpoint key of DiLoCoState.inflight (TrainState.opt_state is the DiLoCo state)
 
 
+def _item_path(manager, step, item):
+    return os.path.join(str(manager.directory), str(step), item)
+
+
 def _saved_leaves(manager, step, item):
     """{path: metadata with .shape and .dtype} of one checkpoint item, read without loading any array."""
     import orbax.checkpoint as ocp
 
-    path = os.path.join(str(manager.directory), str(step), item)
+    path = _item_path(manager, step, item)
     if not os.path.isdir(path):
         return {}
     saved = ocp.PyTreeCheckpointer().metadata(path).item_metadata
     return dict(getattr(saved, "tree", saved))
 
 
-def _read_leaves(manager, step, item, keys):
-    """Host copies of some leaves of one checkpoint item, at their saved shapes (a partial restore)."""
+def _read_leaf(manager, step, item, key):
+    """A host copy of one leaf of a checkpoint item, at its saved shape (a partial restore)."""
     import orbax.checkpoint as ocp
 
-    path = os.path.join(str(manager.directory), str(step), item)
-    checkpointer = ocp.PyTreeCheckpointer()
-    saved = _saved_leaves(manager, step, item)
-    item_args = {k: np.zeros(saved[k].shape, saved[k].dtype) for k in keys}
-    restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}
-    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item_args, restore_args=restore_args,
-                                                                  partial_restore=True))
+    saved = _saved_leaves(manager, step, item)[key]
+    args = ocp.args.PyTreeRestore(item={key: np.zeros(saved.shape, saved.dtype)},
+                                  restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray)}, partial_restore=True)
+    return ocp.PyTreeCheckpointer().restore(_item_path(manager, step, item), args=args)[key]
 
 
-def _check_saved_shapes(manager, step, trainer, mesh_recorded):
-    """Refuses a checkpoint whose arrays do not fit this run's state (clear message, before any restore).
+def _check_saved_shapes(manager, step, parts, trainer, mesh_recorded):
+    """Refuses a checkpoint whose arrays do not fit ``parts`` (this run's state by kind), before any restore.
 
     Checkpoints record the mesh they were written on, and a different mesh is an elastic restart; on the
     same mesh every leaf must fit exactly. A checkpoint without that record (written before it existed)
     can only be resumed on the mesh it was written on.
     """
-    for kind, leaves in split_by_kind(trainer.abstract_state(), trainer.specs).items():
+    for kind, leaves in parts.items():
         saved = _saved_leaves(manager, step, kind)
         for key, want in leaves.items():
             have = saved.get(key)
@@ -564,7 +568,7 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
     device = dict(fresh_parts["device"])
     flight = _in_flight(trainer, int(restored["global"][".opt_state.step"])) if cfg.diloco.enabled else None
     if flight is not None:
-        saved = _read_leaves(manager, step, "device", [INFLIGHT])[INFLIGHT]
+        saved = _read_leaf(manager, step, "device", INFLIGHT)
         moved = trainer.tx.relayout_inflight(saved, model_lib.abstract_params(trainer.mcfg), flight[0],
                                              (m_old, d_old), (trainer.m, trainer.d))
         device[INFLIGHT] = jax.make_array_from_callback(moved.shape, device[INFLIGHT].sharding, lambda idx: moved[idx])
@@ -644,9 +648,8 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
         saved_mesh = _read_meta(manager, latest).get("mesh")
         if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"]) != (trainer.m, trainer.d):
             state, meta = restore_elastic(manager, latest, trainer, saved_mesh, log)
-        else:  # restore into abstract shapes: the fresh state is never allocated beside the restored one
-            _check_saved_shapes(manager, latest, trainer, mesh_recorded=saved_mesh is not None)
-            state, meta = _restore(manager, latest, trainer)
+        else:
+            state, meta = _restore(manager, latest, trainer, mesh_recorded=saved_mesh is not None)
         start, data_state, bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
         log(f"resumed from checkpoint at step {start}")
     batches = trainer.dataset.train_iterator(seed=cfg.data.seed, state=data_state)

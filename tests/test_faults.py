@@ -19,16 +19,17 @@ run in which that batch never came.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
 from jax import lax
 
-from loco_jax import trainer
+from loco_jax import model as model_lib
+from loco_jax import specs, trainer
 from tests.test_trainer import small_config, text_file  # noqa: F401  (text_file: a fixture)
 
 BAD_STEP = 9  # Streaming DiLoCo (H 6, P 3, tau 1) sends fragment 1 at step 9: an exchange step
 INF_MARK, NAN_OUTER_MARK = 254, 255  # byte ids the test corpus (ASCII words) never contains
+_TRAIN_STEP = trainer.train_step  # the real one, which the fault injector wraps
 
 
 class _Batches:
@@ -50,8 +51,19 @@ class _Batches:
         return self.inner.state()
 
 
+class _UpdateSeesNaNParams:
+    """``tx`` whose update sees NaN parameters where ``on`` (its gradients untouched)."""
+
+    def __init__(self, tx, on):
+        self.tx, self.on = tx, on
+
+    def update(self, grads, state, params, **extra):
+        seen = jax.tree.map(lambda p: jnp.where(self.on, jnp.full_like(p, jnp.nan), p), params)
+        return self.tx.update(grads, state, seen, **extra)
+
+
 def _poisoning_train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None):
-    """``trainer.train_step`` plus two fault injectors keyed on marker tokens in this device's rows.
+    """The real ``trainer.train_step`` with two fault injectors keyed on marker tokens in this device's rows.
 
     Rows holding INF_MARK scale this device's loss (hence its gradient) by Inf.
     Rows holding NAN_OUTER_MARK on any device of a replica make the parameters
@@ -59,23 +71,16 @@ def _poisoning_train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase
     ``global - local`` is NaN while its inner gradient is finite. Without
     markers both are exact no-ops (``where`` picks the original values).
     """
-    from loco_jax import model as model_lib
-    from loco_jax import specs
-
     inf_here = jnp.any(inputs == INF_MARK)
     # one replica's parameters (DiLoCo: split over replica); data parallel's are the same everywhere
     axes = ("data",) if "replica" in specs.varying_axes(jax.tree.leaves(params)[0]) else ("replica", "data")
     outer_here = lax.pmax(jnp.any(inputs == NAN_OUTER_MARK).astype(jnp.int32), axes) > 0
-    varying = lax.pcast(params, "data", to="varying")
-    loss_of = lambda p: model_lib.loss_fn(mcfg, p, inputs, targets) * jnp.where(inf_here, jnp.inf, 1.0)
-    loss, grads = jax.value_and_grad(loss_of)(varying)
-    seen = jax.tree.map(lambda p: jnp.where(outer_here, jnp.full_like(p, jnp.nan), p), params)
-    updates, opt_state = tx.update(grads, opt_state, seen, **({} if phase is None else {"phase": phase}))
-    params = optax.apply_updates(params, updates)
-    axes = ("replica", "data")
-    zero = jnp.zeros((), jnp.float32)
-    metrics = {"loss": lax.pmean(specs.to_varying(loss, axes), axes), "grad_rms": lax.pmean(specs.to_varying(zero, axes), axes)}
-    return params, opt_state, metrics
+    loss_fn = model_lib.loss_fn
+    model_lib.loss_fn = lambda *a: loss_fn(*a) * jnp.where(inf_here, jnp.inf, 1.0)  # while this step traces
+    try:
+        return _TRAIN_STEP(_UpdateSeesNaNParams(tx, outer_here), mcfg, params, opt_state, inputs, targets, phase=phase)
+    finally:
+        model_lib.loss_fn = loss_fn
 
 
 def _corrupt_ids(inputs, targets):  # device (replica 1, data 2) of the 2 x 4 mesh: rows 12-13 of 16

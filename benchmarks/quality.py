@@ -31,6 +31,8 @@ Groups:
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import statistics
 import subprocess
@@ -53,11 +55,13 @@ SEEDS = (0, 1, 2)
 
 
 def _seed(s):
-    return [f"seed={s}", f"data.seed={s}"]
+    # This matrix measures LoCo's and the paper's reference settings (int absmax / e3m0 payloads); the
+    # measured per-bit defaults are benchmarks/lowbit.py's.
+    return [f"seed={s}", f"data.seed={s}", "loco.preset=reference", "diloco.preset=reference"]
 
 
 def _stream(m, bits=None, fmt="int", comp=False, *, fragments=3, overlap=1, alpha=0.5, h=H, block=256):
-    return [
+    return _seed(0) + [
         f"mesh.replicas={m}", "diloco.enabled=true", f"diloco.sync_every={h}", f"diloco.num_fragments={fragments}",
         f"diloco.overlap={overlap}", f"diloco.alpha={alpha}", f"diloco.bits={bits}", f"diloco.format={fmt}",
         f"diloco.compensate={str(comp).lower()}", f"diloco.block_size={block}",
@@ -94,11 +98,36 @@ def cells() -> dict[str, tuple[str, list[str]]]:
     return out
 
 
+_OVERRIDES = {}  # cell name -> its overrides, filled by the scripts that define cells (see register)
+
+
+def register(table):
+    """Makes ``table``'s cells (name -> (group, overrides)) known to the helpers below; returns it."""
+    for name, (_, overrides) in table.items():
+        _OVERRIDES[name] = overrides
+    return table
+
+
+def resolved_key(overrides) -> str:
+    """8 hex digits of the fully resolved config (library defaults for None settings filled in), so a
+    cell's result under one set of defaults is never read back under another."""
+    from loco_jax import config as config_lib
+
+    cfg = config_lib.resolve(config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), BASE + overrides))
+    return hashlib.sha256(json.dumps(config_lib.to_dict(cfg), sort_keys=True).encode()).hexdigest()[:8]
+
+
+def cell_dir(name, overrides=None) -> str:
+    """``runs/quality/NAME-KEY`` relative to the repo root (KEY: :func:`resolved_key`)."""
+    overrides = _OVERRIDES[name] if overrides is None else overrides
+    return os.path.join("runs", "quality", f"{name}-{resolved_key(overrides)}")
+
+
 def argv(name, overrides):
     sets = []
     for kv in BASE + overrides:
         sets += ["--set", kv]
-    return ["train.py", "--config", "configs/ddp.py", "--workdir", os.path.join("runs", "quality", name)] + sets
+    return ["train.py", "--config", "configs/ddp.py", "--workdir", cell_dir(name, overrides)] + sets
 
 
 def finished(name) -> bool:
@@ -109,15 +138,16 @@ def finished(name) -> bool:
 def _metrics(name):
     from loco_jax.trainer import read_metrics  # rows cut short by a kill are skipped
 
-    return read_metrics(os.path.join(RUNS, name))
+    return read_metrics(os.path.join(common.ROOT, cell_dir(name)))
 
 
 def run_cell(name, overrides, index, total):
     if finished(name):
         print(f"[{index}/{total}] {name}: done already", flush=True)
         return
-    os.makedirs(os.path.join(RUNS, name), exist_ok=True)
-    log_path = os.path.join(RUNS, name, "train.log")
+    workdir = os.path.join(common.ROOT, cell_dir(name, overrides))
+    os.makedirs(workdir, exist_ok=True)
+    log_path = os.path.join(workdir, "train.log")
     start = time.perf_counter()
     print(f"[{index}/{total}] {name}: python {' '.join(argv(name, overrides))}", flush=True)
     with open(log_path, "a") as log:
@@ -176,15 +206,15 @@ def loco_table():
         lines.append(" | ".join(row) + " |")
     if fp_n and l4_n:
         gap = 100 * (l4_mean / fp_mean - 1)
-        seeds_band = 100 * 2 * fp_sd / fp_mean if fp_n > 1 else float("nan")
-        tolerance = max(0.5, seeds_band)
-        which = "two standard deviations of the full-precision seeds" if seeds_band > 0.5 else "0.5 %"
-        verdict = "meets" if abs(gap) <= tolerance else "misses"
+        paired = [100 * (final(f"loco4_s{s}") / final(f"fp32_s{s}") - 1) for s in SEEDS
+                  if finished(f"loco4_s{s}") and finished(f"fp32_s{s}")]
+        verdict = "meets" if gap <= 0.3 and paired and max(paired) <= 0.5 else "misses"
         lines += [
             "",
-            f"LoCo 4-bit vs full precision, seed means: {gap:+.2f} %. The target is 0.5 % or two standard "
-            f"deviations of the seeds ({seeds_band:.2f} %), whichever is larger: here {which}, {tolerance:.2f} %; "
-            f"LoCo 4-bit {verdict} it.",
+            f"LoCo 4-bit (reference settings) vs full precision, seed means: {gap:+.2f} %; paired gaps "
+            + ", ".join(f"{p:+.2f} %" for p in paired)
+            + f". The target (issue 11) is a mean gap <= +0.3 % with no seed above +0.5 %: the reference "
+            f"settings {verdict} it (the measured defaults are in the low-bit section).",
         ]
     return "\n".join(lines)
 

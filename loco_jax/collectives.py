@@ -168,15 +168,30 @@ def unbucket_shard(row, bucket: Bucket):
 
 
 class QuantConfig(NamedTuple):
+    """Payload format; ``rotate``: the exchange runs in the randomized-Hadamard domain of ``seed``."""
+
     bits: int = 4
     block_size: int = quant.DEFAULT_BLOCK_SIZE
     format: str = "int"
+    rotate: bool = False
+    seed: int = 0
 
     def encode(self, x, key=None):
         return quant.encode(x, self.bits, block_size=self.block_size, format=self.format, key=key)
 
     def decode(self, payload, cols):
         return quant.decode(payload, self.bits, cols=cols, block_size=self.block_size, format=self.format)
+
+    def rotation_seed(self, salt):
+        """One rotation per bucket (or fragment): the seed folded with ``salt``, the same on every device."""
+        return (self.seed * 1_000_003 + 7919 * (salt + 1)) % 2**32
+
+    def rotate_in(self, rows, salt=0):
+        """Into the rotated domain (identity when ``rotate`` is off). Rows are whole blocks."""
+        return quant.rotate(rows, self.block_size, self.rotation_seed(salt)) if self.rotate else rows
+
+    def rotate_out(self, rows, salt=0):
+        return quant.unrotate(rows, self.block_size, self.rotation_seed(salt)) if self.rotate else rows
 
 
 def device_key(key, axis_names, salt):
@@ -227,19 +242,26 @@ def all_gather_sum(rows_f32, axis_name, cfg: QuantConfig, key=None):
     return total.reshape(rows, cols), cfg.decode(payload, rows * cols).reshape(rows, cols)
 
 
-def _validate(bits, block_size, format, mode):
-    quant.validate(bits, block_size, format)
+def _validate(bits, block_size, format, mode, rotate=False, key=None):
+    quant.validate(bits, block_size, format, rotate=rotate, stochastic=key is not None)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}.")
 
 
-def _psum_rows(rows_f32, axis_name, cfg, mode, key):
-    """Quantized all-reduce of an ``(M, cols)`` bucket over ``axis_name``; fp32 (M, cols)."""
+def _psum_rows(rows_f32, axis_name, cfg, mode, key, salt=0):
+    """Quantized all-reduce of an ``(M, cols)`` bucket over ``axis_name``; fp32 (M, cols).
+
+    With ``cfg.rotate`` each device rotates its bucket once, the sums run on
+    rotated values (the rotation is linear and the same everywhere), and the
+    gathered sum is rotated back once: ``R^T sum_i DQ(Q(R x_i))``.
+    """
+    rows_f32 = cfg.rotate_in(rows_f32, salt)
     if mode == "all_gather":
-        return all_gather_sum(rows_f32, axis_name, cfg, device_key(key, (axis_name,), 0))[0]
-    chunk, _ = reduce_scatter_rows(rows_f32, axis_name, cfg, device_key(key, (axis_name,), 0))
-    full, _ = all_gather_chunk(chunk, axis_name, cfg, device_key(key, (axis_name,), 1))
-    return full
+        full = all_gather_sum(rows_f32, axis_name, cfg, device_key(key, (axis_name,), 0))[0]
+    else:
+        chunk, _ = reduce_scatter_rows(rows_f32, axis_name, cfg, device_key(key, (axis_name,), 0))
+        full, _ = all_gather_chunk(chunk, axis_name, cfg, device_key(key, (axis_name,), 1))
+    return cfg.rotate_out(full, salt)
 
 
 def quantized_psum(
@@ -249,10 +271,13 @@ def quantized_psum(
     bits: int = 4,
     block_size: int = quant.DEFAULT_BLOCK_SIZE,
     format: str = "int",
+    rotate: bool = False,
+    seed: int = 0,
     fast_axis=None,
     mode: str = "two_stage",
     key=None,
     bucket_size: int | None = None,
+    _salt: int = 0,
 ):
     """Sum of ``x`` (an array or pytree) over ``axis_name``, sent as ``bits``-bit payloads.
 
@@ -260,12 +285,15 @@ def quantized_psum(
     dtypes; identical on every device. ``fast_axis``: also sum over that axis,
     exactly, with only a 1/D shard crossing ``axis_name`` (hierarchical form).
     ``mode``: ``"two_stage"`` (all-to-all + all-gather, two quantizations) or
-    ``"all_gather"`` (one quantization, ``M``-fold gather). ``key``: stochastic
-    rounding, folded with each device's index. ``bucket_size``: at most this
+    ``"all_gather"`` (one quantization, ``M``-fold gather). ``format``: any of
+    :data:`quant.FORMATS`. ``rotate``: quantize in a randomized-Hadamard domain
+    (``seed``, one rotation per bucket; needs a power-of-two block): rotate
+    once, sum rotated values, rotate back once, with the same bytes on the
+    wire. ``key``: stochastic rounding, folded with each device's index. ``bucket_size``: at most this
     many values per bucket (whole leaves; ``None``: the whole tree in one
     bucket, so one set of collectives however many leaves).
     """
-    _validate(bits, block_size, format, mode)
+    _validate(bits, block_size, format, mode, rotate, key)
     require_axis(axis_name, "quantized_psum")
     leaves, treedef = jax.tree.flatten(x)
     groups = group_leaves([int(math.prod(leaf.shape)) for leaf in leaves], bucket_size)
@@ -274,21 +302,22 @@ def quantized_psum(
         for b, group in enumerate(groups):
             sub_key = None if key is None else jax.random.fold_in(key, 1000 + b)
             summed = quantized_psum([leaves[i] for i in group], axis_name, bits=bits, block_size=block_size,
-                                    format=format, fast_axis=fast_axis, mode=mode, key=sub_key)
+                                    format=format, rotate=rotate, seed=seed, fast_axis=fast_axis, mode=mode,
+                                    key=sub_key, _salt=b)
             for i, leaf in zip(group, summed):
                 out[i] = leaf
         return jax.tree.unflatten(treedef, out)
-    cfg = QuantConfig(bits, block_size, format)
+    cfg = QuantConfig(bits, block_size, format, rotate, seed)
     m = axis_size(axis_name)
     if fast_axis is None:
         rows, bucket = make_bucket(x, m, block_size)
-        return unbucket(_psum_rows(rows, axis_name, cfg, mode, key), bucket)
+        return unbucket(_psum_rows(rows, axis_name, cfg, mode, key, _salt), bucket)
     require_axis(fast_axis, "quantized_psum")
     d = axis_size(fast_axis)
     rows, bucket = make_bucket(x, d, block_size, pad_multiple=m)  # (D, M * c): row i is fast-device i's shard
     shard = lax.psum_scatter(rows, fast_axis, scatter_dimension=0, tiled=True)[0]  # exact, (M * c,)
     key = None if key is None else device_key(key, (fast_axis,), 2)
-    reduced = _psum_rows(shard.reshape(m, -1), axis_name, cfg, mode, key).reshape(1, -1)
+    reduced = _psum_rows(shard.reshape(m, -1), axis_name, cfg, mode, key, _salt).reshape(1, -1)
     full = lax.all_gather(reduced, fast_axis, axis=0, tiled=True, to="invarying")  # (D, M * c)
     return unbucket(full, bucket)
 
@@ -307,20 +336,23 @@ def quantized_psum_scatter(
     bits: int = 4,
     block_size: int = quant.DEFAULT_BLOCK_SIZE,
     format: str = "int",
+    rotate: bool = False,
+    seed: int = 0,
     key=None,
 ):
     """Each device keeps its dim-0 chunk of the sum, like ``lax.psum_scatter(x, axis_name, tiled=True)``.
 
     Works on a pytree: every leaf's dim 0 must be a multiple of the axis
     size; device j gets rows ``[j * n0 / M, (j + 1) * n0 / M)`` of each leaf's
-    sum. One all-to-all of ``uint8`` payloads; the sum is fp32.
+    sum. One all-to-all of ``uint8`` payloads; the sum is fp32. ``rotate``:
+    as in :func:`quantized_psum` (the owned chunk is rotated back alone).
     """
-    quant.validate(bits, block_size, format)
+    quant.validate(bits, block_size, format, rotate=rotate, stochastic=key is not None)
     require_axis(axis_name, "quantized_psum_scatter")
-    cfg = QuantConfig(bits, block_size, format)
+    cfg = QuantConfig(bits, block_size, format, rotate, seed)
     rows, bucket = make_bucket(x, axis_size(axis_name), block_size, scatter=True)
-    chunk, _ = reduce_scatter_rows(rows, axis_name, cfg, device_key(key, (axis_name,), 0))
-    return unbucket_shard(chunk, bucket)
+    chunk, _ = reduce_scatter_rows(cfg.rotate_in(rows), axis_name, cfg, device_key(key, (axis_name,), 0))
+    return unbucket_shard(cfg.rotate_out(chunk[None])[0], bucket)
 
 
 def wire_bytes_per_device(n, axis_size, *, bits=None, block_size=quant.DEFAULT_BLOCK_SIZE, mode="two_stage"):

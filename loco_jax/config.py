@@ -63,15 +63,23 @@ class OptimFields:
 
 @dataclasses.dataclass
 class LocoFields:
-    """``loco.compress`` on the ``data`` axis; ``bits=None`` is the exact fp32 mean."""
+    """``loco.compress`` on the ``data`` axis; ``bits=None`` is the exact fp32 mean.
+
+    ``format``, ``rotate``, ``beta``, ``compensate`` and ``compensate_second_stage`` left at None take
+    the library's measured default for these bits (``loco.MEASURED``; ``preset="reference"``: LoCo's
+    reference settings). ``config.json`` records what they resolved to.
+    """
 
     bits: int | None = None
-    beta: float = 0.8
-    compensate: bool = True
+    beta: float | None = None
+    compensate: bool | None = None
     error_bits: int | None = 8
     block_size: int = 256
     reset_every: int | None = 1024
-    compensate_second_stage: bool = False
+    compensate_second_stage: bool | None = None
+    format: str | None = None
+    rotate: bool | None = None
+    preset: str = "measured"
 
 
 @dataclasses.dataclass
@@ -84,8 +92,10 @@ class DilocoFields:
     overlap: int = 0
     alpha: float = 0.0
     bits: int | None = None
-    format: str = "int"
-    compensate: bool = False
+    format: str | None = None  # None (and rotate, compensate): diloco.MEASURED's default for these bits
+    compensate: bool | None = None
+    rotate: bool | None = None
+    preset: str = "measured"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     mode: str = "all_gather"
@@ -118,6 +128,52 @@ class Config:
 # Fields whose change on resume would silently change the run: refused. The mesh may change: that is
 # an elastic restart (see trainer.restore_elastic).
 FROZEN_ON_RESUME = ("model", "optim", "loco", "diloco", "seed", "batch_size", "seq_len", "data")
+
+
+# Fields that None resolves per bit width from the library (see ``resolve``).
+RESOLVED_FIELDS = {
+    "loco": ("format", "rotate", "beta", "compensate", "compensate_second_stage"),
+    "diloco": ("format", "rotate", "compensate"),
+}
+
+
+def _library(section):
+    from loco_jax import diloco, loco  # the library; it imports nothing of the application
+
+    return {"loco": loco, "diloco": diloco}[section]
+
+
+def resolve(cfg: Config, saved: dict | None = None) -> Config:
+    """A copy of ``cfg`` with every None in :data:`RESOLVED_FIELDS` replaced by a concrete setting.
+
+    Fresh run (``saved`` None): the library's default for the section's bits and preset. Resume
+    (``saved`` = the run's ``config.json``): the value the run was started with, and for a field that an
+    older version did not record, the reference setting it then ran with (never a newer default).
+    """
+    cfg = from_dict(to_dict(cfg))
+    for section, names in RESOLVED_FIELDS.items():
+        node, lib = getattr(cfg, section), _library(section)
+        old = None if saved is None else saved.get(section, {})
+        given = {}
+        for name in names:
+            value = getattr(node, name)
+            if value is None and old is not None:
+                value = old.get(name, lib.REFERENCE[name])
+            given[name] = value
+        for name, value in lib.settings(node.bits, node.preset, **given).items():
+            setattr(node, name, value)
+    return cfg
+
+
+def with_reference_fields(saved: dict) -> dict:
+    """A saved config dict with the fields an older version did not record set to what it ran with."""
+    saved = json.loads(json.dumps(saved))
+    for section, names in RESOLVED_FIELDS.items():
+        node = saved.setdefault(section, {})
+        node.setdefault("preset", "measured")
+        for name in names:
+            node.setdefault(name, _library(section).REFERENCE[name])
+    return saved
 
 
 def keys(cfg, prefix="") -> list[str]:
@@ -237,6 +293,16 @@ def validate(cfg: Config):
         raise ValueError(f"elastic_inner_state={cfg.elastic_inner_state!r} must be 'copy' or 'reset'.")
     if cfg.data.tokenizer not in ("byte", "sentencepiece"):
         raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} must be 'byte' or 'sentencepiece'.")
+    for section in RESOLVED_FIELDS:
+        node, lib = getattr(cfg, section), _library(section)
+        if node.preset not in lib.PRESETS:
+            raise ValueError(f"{section}.preset={node.preset!r} must be one of {lib.PRESETS}.")
+        fmt = node.format
+        if fmt is not None:
+            from loco_jax import quant
+
+            if fmt not in quant.FORMATS:
+                raise ValueError(f"{section}.format={fmt!r} is unknown; choose one of {quant.FORMATS} or None.")
 
 
 def dumps(cfg) -> str:

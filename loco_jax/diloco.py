@@ -141,7 +141,8 @@ def phase(step, *, sync_every, num_fragments=1, overlap=0):
     return Phase(send, apply)
 
 
-def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, beta, error_bits, block_size):
+def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, beta, error_bits, block_size,
+              rotate=False):
     def positive_int(name, v):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}={v!r} must be a positive integer.")
@@ -161,9 +162,33 @@ def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, bet
         )
     if not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha={alpha!r} must lie in [0, 1] (0 drops local steps taken meanwhile, 1 never merges).")
-    quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=beta, beta_name="error_beta")
+    quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=beta, beta_name="error_beta",
+                               rotate=rotate)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}.")
+
+
+# The outer exchange's reference (the paper's int/e3m0 payloads, no rotation, no compensation) and the
+# per-bit defaults that ``diloco(bits=b)`` uses when format / rotate / compensate are None, measured at the
+# all-gather, block-256 wire budget (docs/results.md, "Low-bit quality").
+REFERENCE = dict(format="int", rotate=False, compensate=False)
+MEASURED = {8: dict(REFERENCE), 4: dict(REFERENCE), 2: dict(REFERENCE), 1: dict(REFERENCE)}
+SETTING_NAMES = tuple(REFERENCE)
+PRESETS = ("measured", "reference")
+
+
+def settings(bits, preset="measured", **given):
+    """Resolved outer-exchange settings for ``bits``: ``given`` values that are not None, else the preset's."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r} is unknown; choose one of {PRESETS}.")
+    unknown = set(given) - set(SETTING_NAMES)
+    if unknown:
+        raise ValueError(f"unknown outer-exchange setting(s) {sorted(unknown)}; the settings are {SETTING_NAMES}.")
+    base = REFERENCE if preset == "reference" or bits not in MEASURED else MEASURED[bits]
+    out = {k: (given[k] if given.get(k) is not None else base[k]) for k in SETTING_NAMES}
+    if bits is None:  # an exact exchange: nothing to rotate or compensate unless asked (and then refused)
+        out.update({k: bool(given.get(k)) for k in ("rotate", "compensate")})
+    return out
 
 
 class DiLoCo(optax.GradientTransformationExtraArgs):
@@ -186,8 +211,9 @@ def diloco(
     overlap: int = 0,
     alpha: float = 0.0,
     bits: int | None = None,
-    format: str = "int",
-    compensate: bool = False,
+    format: str | None = None,
+    compensate: bool | None = None,
+    rotate: bool | None = None,
     data_axis: str | None = "data",
     mode: str = "all_gather",
     block_size: int = quant.DEFAULT_BLOCK_SIZE,
@@ -195,6 +221,8 @@ def diloco(
     error_bits: int | None = 8,
     strategy: str = "strided",
     labels=None,
+    preset: str = "measured",
+    seed: int = 0,
 ) -> DiLoCo:
     """(Streaming) DiLoCo around ``inner``; see the module docstring for the maths.
 
@@ -209,22 +237,34 @@ def diloco(
       overlap: tau, steps the exchange may take, in ``[0, floor(H / P))``.
       alpha: weight of the local parameters when merging, in ``[0, 1]``.
       bits: outer-gradient bits on the wire (8, 4, 2, 1) or None (fp32).
-      format: ``"int"`` or ``"e3m0"`` (4 bits, the paper's choice).
+      format: payload format, one of :data:`quant.FORMATS` (``"e3m0"`` is the
+        paper's 4-bit choice). ``format``, ``compensate`` and ``rotate`` left
+        at None take :data:`MEASURED`'s per-bit defaults (``preset="reference"``:
+        int, no rotation, no compensation); see :func:`settings`.
       compensate: LoCo error feedback on the outer gradients, per fragment.
+      rotate: exchange in a randomized-Hadamard domain (one rotation per
+        fragment from ``seed``; power-of-two ``block_size``); the error buffer
+        lives in that domain.
       data_axis: mesh axis inside a replica whose devices hold identical
         parameters; each sends a 1/D slice. ``None`` or unbound: no slicing.
       mode: ``"all_gather"`` (default, one quantization) or ``"two_stage"``.
       block_size, error_beta, error_bits: quantizer block and the error
         buffer's moving-average weight and storage bits.
       strategy, labels: how fragments are formed (:func:`fragments.plan`).
+      preset, seed: where None settings come from; the rotation's seed.
     """
-    _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, error_beta, error_bits, block_size)
+    resolved = settings(bits, preset, format=format, compensate=compensate, rotate=rotate)
+    format, compensate, rotate = resolved["format"], resolved["compensate"], resolved["rotate"]
+    _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, error_beta, error_bits, block_size,
+              rotate)
+    if rotate and bits is None:
+        raise ValueError("rotate=True rotates a quantized exchange, but bits=None exchanges exact fp32; set bits.")
     if compensate and bits is None:
         raise ValueError("compensate=True compensates quantization error, but bits=None exchanges exact fp32; set bits.")
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     inner = optax.with_extra_args_support(inner)
-    cfg = coll.QuantConfig(bits or 8, block_size, format)
+    cfg = coll.QuantConfig(bits or 8, block_size, format, rotate, seed)
     num_p = num_fragments
 
     @functools.lru_cache(maxsize=8)
@@ -298,7 +338,7 @@ def diloco(
         if bits is None:
             return lax.pmean(slice_f32, axis_name), None
         e = quant.load(state.error[p], state.error_scale[p], error_bits, block_size=block_size)[0] if compensate else 0.0
-        h = slice_f32 + e
+        h = cfg.rotate_in(slice_f32[None], p)[0] + e  # with rotate, the error lives in fragment p's rotated domain
         if mode == "all_gather":
             total, sent = coll.all_gather_sum(h[None], axis_name, cfg)
             mean, sent = total[0] / m, sent[0]
@@ -306,6 +346,7 @@ def diloco(
             chunk, sent = coll.reduce_scatter_rows(h.reshape(m, -1), axis_name, cfg)
             full, _ = coll.all_gather_chunk(chunk / m, axis_name, cfg)
             mean, sent = full.reshape(-1), sent.reshape(-1)
+        mean = cfg.rotate_out(mean[None], p)[0]
         if not compensate:
             return mean, None
         return mean, quant.store((error_beta * e + (1.0 - error_beta) * (h - sent))[None], error_bits, block_size=block_size)

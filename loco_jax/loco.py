@@ -69,6 +69,36 @@ from loco_jax import quant, specs
 
 REDUCE_MODES = ("mean", "scatter")
 NONFINITE_MODES = ("skip", "propagate")
+PRESETS = ("measured", "reference")
+
+# LoCo's reference settings (the authors' code): absmax int payloads, beta 0.8, no rotation, no
+# second-stage buffer. ``preset="reference"`` gives these at every bit width.
+REFERENCE = dict(format="int", rotate=False, beta=0.8, compensate=True, compensate_second_stage=False)
+
+# What ``compress(bits=b)`` uses when these arguments are left at None: per bit width, the setting that
+# measured best on real training at the two-stage, block-256 wire budget (docs/results.md, "Low-bit
+# quality"). bits=None (the exact mean) ignores them.
+MEASURED = {
+    8: dict(REFERENCE),
+    4: dict(REFERENCE),
+    2: dict(REFERENCE),
+    1: dict(REFERENCE),
+}
+SETTING_NAMES = tuple(REFERENCE)
+
+
+def settings(bits, preset="measured", **given):
+    """The resolved compression settings for ``bits``: ``given`` values that are not None, else the preset's.
+
+    ``preset="measured"``: :data:`MEASURED` (the per-bit defaults); ``"reference"``: :data:`REFERENCE`.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r} is unknown; choose one of {PRESETS}.")
+    unknown = set(given) - set(SETTING_NAMES)
+    if unknown:
+        raise ValueError(f"unknown LoCo setting(s) {sorted(unknown)}; the settings are {SETTING_NAMES}.")
+    base = REFERENCE if preset == "reference" or bits not in MEASURED else MEASURED[bits]
+    return {k: (given[k] if given.get(k) is not None else base[k]) for k in SETTING_NAMES}
 
 
 class CompressState(NamedTuple):
@@ -95,8 +125,10 @@ class SkipNonfiniteState(NamedTuple):
     skipped: jax.Array  # int32 []
 
 
-def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce, mode, nonfinite, bucket_size):
-    quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=beta)
+def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce, mode, nonfinite, bucket_size,
+                rotate=False, stochastic=False):
+    quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=beta, rotate=rotate,
+                               stochastic=stochastic)
     if reset_every is not None and (not isinstance(reset_every, int) or reset_every <= 0):
         raise ValueError(f"reset_every={reset_every!r} must be a positive integer number of steps, or None.")
     if reduce not in REDUCE_MODES:
@@ -160,22 +192,30 @@ def _check_grads_vary(leaves, axis_name):
 def compress(
     bits: int | None = 4,
     *,
-    beta: float = 0.8,
+    beta: float | None = None,
     reset_every: int | None = 1024,
     error_bits: int | None = 8,
     block_size: int = quant.DEFAULT_BLOCK_SIZE,
-    format: str = "int",
+    format: str | None = None,
+    rotate: bool | None = None,
     axis_name: str | None = "data",
-    compensate: bool = True,
+    compensate: bool | None = None,
     reduce: str = "mean",
     mode: str = "two_stage",
-    compensate_second_stage: bool = False,
+    compensate_second_stage: bool | None = None,
     stochastic_rounding: bool = False,
     seed: int = 0,
     nonfinite: str = "skip",
     bucket_size: int | None = None,
+    preset: str = "measured",
 ) -> optax.GradientTransformation:
     """LoCo: averages gradients over ``axis_name`` in ``bits`` bits, compensating the error.
+
+    ``format``, ``rotate``, ``beta``, ``compensate`` and
+    ``compensate_second_stage`` left at ``None`` take the per-bit defaults of
+    :data:`MEASURED` (``preset="measured"``) or LoCo's reference settings
+    (``preset="reference"``: int absmax, beta 0.8, no rotation); see
+    :func:`settings`.
 
     Args:
       bits: 8, 4, 2 or 1 bits per value on the wire (plus 32 / ``block_size``
@@ -186,7 +226,14 @@ def compress(
         (``None``: never).
       error_bits: bits of the stored error (block scales), ``None`` for fp32.
       block_size: values per scale (a multiple of 8).
-      format: ``"int"`` or ``"e3m0"`` (4 bits only) for the gradient payload.
+      format: the payload format, one of :data:`quant.FORMATS` (``"int"``
+        absmax, ``"e3m0"`` 4-bit float, ``"uniform"`` and ``"lloyd"``
+        RMS-fitted grids that use every code).
+      rotate: quantize in a randomized-Hadamard domain (one fixed rotation per
+        bucket from ``seed``; power-of-two ``block_size``). The sums run on
+        rotated values and the mean is rotated back once; the error buffers
+        live in the rotated domain (the rotation is orthogonal and fixed, so
+        ``R^T e`` is the error in the gradient's own coordinates).
       axis_name: mesh axis to average over; ``None`` compresses and
         decompresses locally, with no communication.
       compensate: ``False`` is naive low-bit communication (no error state).
@@ -204,12 +251,20 @@ def compress(
         unchanged either way.
       bucket_size: at most this many values per bucket (whole leaves); ``None``
         sends the whole tree as one bucket.
+      preset: where the ``None`` settings come from: ``"measured"`` or ``"reference"``.
 
     Returns:
       An ``optax.GradientTransformation``; ``init`` and ``update`` run inside
       ``shard_map`` when ``axis_name`` is set.
     """
-    _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce, mode, nonfinite, bucket_size)
+    resolved = settings(bits, preset, format=format, rotate=rotate, beta=beta, compensate=compensate,
+                        compensate_second_stage=compensate_second_stage)
+    if bits is None:  # the exact mean: nothing to compress, nothing to compensate
+        resolved.update(rotate=False, compensate_second_stage=False)
+    format, rotate, beta = resolved["format"], resolved["rotate"], resolved["beta"]
+    compensate, compensate_second_stage = resolved["compensate"], resolved["compensate_second_stage"]
+    _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce, mode, nonfinite, bucket_size,
+                rotate, stochastic_rounding)
     if compensate_second_stage and (bits is None or not compensate or mode != "two_stage" or reduce != "mean"):
         raise ValueError(
             "compensate_second_stage=True needs the two-stage all-reduce with compensation: "
@@ -217,7 +272,7 @@ def compress(
         )
     quantized = bits is not None
     keep_error = quantized and compensate
-    cfg = coll.QuantConfig(bits or 8, block_size, format)
+    cfg = coll.QuantConfig(bits or 8, block_size, format, rotate, seed)
     scatter = reduce == "scatter"
 
     def _layout(leaves, m, shard_shaped):
@@ -288,6 +343,7 @@ def compress(
             rows, bucket = coll.make_bucket([leaves[i] for i in group], m, block_size, scatter=scatter)
             key1 = coll.device_key(step_key, axes, 2 * b) if stochastic_rounding else None
             key2 = coll.device_key(step_key, axes, 2 * b + 1) if stochastic_rounding else None
+            rows = cfg.rotate_in(rows, b)  # identity unless rotate; errors below live in this domain
             if keep_error:
                 e = jnp.where(reset, 0.0, quant.load(state.error[b], state.error_scale[b], error_bits, block_size=block_size))
                 h = rows + e
@@ -304,7 +360,7 @@ def compress(
                 new["error"].append(values)
                 new["error_scale"].append(scales)
             if scatter:
-                shard = coll.unbucket_shard(chunk, bucket)
+                shard = coll.unbucket_shard(cfg.rotate_out(chunk[None], b)[0], bucket)
                 for i, leaf in zip(group, jax.tree.leaves(shard)):
                     out_leaves[i] = leaf
                 continue
@@ -318,7 +374,7 @@ def compress(
                     new["error2_scale"].append(scales)
                 else:
                     mean_rows, _ = coll.all_gather_chunk(chunk, axis_name, cfg, key2)
-            for i, leaf in zip(group, jax.tree.leaves(coll.unbucket(mean_rows, bucket))):
+            for i, leaf in zip(group, jax.tree.leaves(coll.unbucket(cfg.rotate_out(mean_rows, b), bucket))):
                 out_leaves[i] = leaf
 
         ok = global_all_finite((leaves, out_leaves))

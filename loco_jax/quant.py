@@ -22,9 +22,44 @@ gradients): 1 sign bit and a 3-bit exponent field ``e``; ``e = 0`` is zero,
 rounded to the nearest representable magnitude (linear distance), so the 15
 distinct values are ``0, +-scale * 2**k`` for ``k = -6..0``.
 
+``format="uniform"`` (8, 4, 2, 1 bits): every one of the ``N = 2**b`` codes is
+a level, on a mid-rise grid fitted to the block's RMS and then to the block::
+
+    u     = x / max|x|;   r = sqrt(mean(u**2))   # normalised first: no overflow
+    y     = u / r                                # the block in units of its RMS
+    k     = clip(floor(y / D_N + N / 2), 0, N-1) # D_N: the MSE-optimal step for N(0, 1)
+    L_k   = (2 k + 1 - N) / (N - 1)              # unit levels, the outer ones +-1
+    s     = clip(<u, L> / <L, L>, 0, 1)          # least-squares scale for these codes
+    scale = max|x| * s;   DQ(k) = L_k * scale
+
+so 2 bits has four levels ``{-3, -1, 1, 3} / 3 * scale`` (no code wasted on an
+exact zero). Values beyond the outer level are clipped; what is clipped is
+quantization error like any other, and error feedback sees it. The
+least-squares scale never raises the block's error above assigning the same
+codes at the RMS-fitted scale, and ``s <= 1`` keeps every decoded value within
+``max|x|`` (no overflow for huge blocks). An all-zero block gets ``scale = 0``.
+At 1 bit the codes are ``sign(x)`` and ``scale = mean|x|``, the ``int`` format's.
+
+``format="lloyd"`` (4, 2, 1 bits): the same assignment-then-least-squares scale,
+with the Lloyd-Max levels of a unit Gaussian (``LLOYD_LEVELS``; 2 bits:
+``+-0.4528, +-1.5104``) as the unit levels, so the levels are denser where
+Gaussian values are; codes come from comparisons with the midpoints and
+decode by table lookup. After a random rotation (below) a block is close to
+Gaussian whatever the gradient's shape, which is what these levels assume.
+
+Rotation (``rotate(x, block_size, seed)``): each block is multiplied by random
+signs ``S`` and by the normalised Walsh-Hadamard matrix ``H / sqrt(n)``, an
+orthogonal map (``unrotate`` is ``S H / sqrt(n)``). It spreads an outlier over
+its block so the block's values look Gaussian, and it keeps a NaN inside its
+block. The signs are a hash of the column index and ``seed``, so every device
+computes the same rotation with nothing stored or sent, and the map is linear:
+a sum of rotated blocks is the rotation of the sum.
+
 Stochastic rounding (pass ``key``) replaces round-to-nearest by an unbiased
 random choice between the two neighbouring levels, ``E[DQ(Q(x))] = x``. At
 1 bit that needs the scale ``max|x|`` and ``P(q = +1) = (1 + x / scale) / 2``.
+It needs a grid that covers the block (``int`` and ``e3m0``): a clipping
+format cannot round without bias, so ``uniform`` and ``lloyd`` refuse a key.
 The caller derives one key per device (``fold_in(key, axis_index)``).
 
 Non-finite input: a block holding NaN or Inf is detected *before* rounding
@@ -38,7 +73,7 @@ zero, as XLA's flush-to-zero arithmetic on CPU and GPU would treat them
 anyway; doing it explicitly makes every format agree on it.
 
 Codes are unsigned: ``q + qmax`` for the integer formats, the sign bit for
-1 bit (1 = +1), ``sign << 3 | e`` for e3m0. ``pack`` puts ``8 / b`` codes into
+1 bit (1 = +1), ``sign << 3 | e`` for e3m0, the level index ``k`` for ``uniform`` and ``lloyd``. ``pack`` puts ``8 / b`` codes into
 each byte (exact inverse: ``unpack``). ``encode`` / ``decode`` lay out a whole
 ``(rows, cols)`` array as one ``uint8`` payload per row: the packed codes
 followed by the fp32 scales bitcast to bytes, so a collective moves one
@@ -51,25 +86,98 @@ DiLoCo (arXiv 2501.18512, section on quantized exchange).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 BITS = (1, 2, 4, 8)
-FORMATS = ("int", "e3m0")
+FORMATS = ("int", "e3m0", "uniform", "lloyd")
+FORMAT_BITS = {"int": (1, 2, 4, 8), "e3m0": (4,), "uniform": (1, 2, 4, 8), "lloyd": (1, 2, 4)}
+ROUNDING_FORMATS = ("int", "e3m0")  # the ones whose grid covers the block: stochastic rounding is unbiased
 DEFAULT_BLOCK_SIZE = 256
 _E3M0_MIN_EXP = -6  # smallest non-zero e3m0 magnitude is scale * 2**-6
 
 
-def validate(bits, block_size=DEFAULT_BLOCK_SIZE, format="int"):
+def _phi(t):
+    return np.exp(-0.5 * t * t) / math.sqrt(2 * math.pi)
+
+
+def _cdf(t):
+    return 0.5 * (1.0 + np.vectorize(math.erf)(t / math.sqrt(2.0)))
+
+
+def _gaussian_cell_mse(edges, levels):
+    """E[(X - level of X's cell)^2] for X ~ N(0, 1) and cells between ``edges`` (with -inf, inf)."""
+    a, b = edges[:-1], edges[1:]
+    pa, pb = np.where(np.isfinite(a), _phi(np.where(np.isfinite(a), a, 0.0)), 0.0), np.where(np.isfinite(b), _phi(np.where(np.isfinite(b), b, 0.0)), 0.0)
+    ta, tb = np.where(np.isfinite(a), np.where(np.isfinite(a), a, 0.0) * pa, 0.0), np.where(np.isfinite(b), np.where(np.isfinite(b), b, 0.0) * pb, 0.0)
+    m0 = _cdf(b) - _cdf(a)
+    m1 = pa - pb
+    m2 = m0 - (tb - ta)
+    return float(np.sum(m2 - 2 * levels * m1 + levels**2 * m0))
+
+
+def _lloyd_max(n, iters=3000):
+    """Lloyd-Max levels of N(0, 1) with n levels (fixed point of centroid / midpoint), ascending."""
+    levels = np.linspace(-2.0, 2.0, n) if n > 2 else np.array([-1.0, 1.0])
+    for _ in range(iters):
+        edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
+        a, b = edges[:-1], edges[1:]
+        pa = np.where(np.isfinite(a), _phi(np.where(np.isfinite(a), a, 0.0)), 0.0)
+        pb = np.where(np.isfinite(b), _phi(np.where(np.isfinite(b), b, 0.0)), 0.0)
+        levels = (pa - pb) / (_cdf(b) - _cdf(a))
+    return levels
+
+
+def _uniform_step(n):
+    """The MSE-optimal step of an n-level mid-rise uniform quantizer of N(0, 1) (golden-section search)."""
+    def mse(step):
+        levels = (np.arange(n) + 0.5 - n / 2) * step
+        edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
+        return _gaussian_cell_mse(edges, levels)
+
+    lo, hi = 1e-3, 4.0
+    g = (math.sqrt(5) - 1) / 2
+    for _ in range(100):
+        c, d = hi - g * (hi - lo), lo + g * (hi - lo)
+        lo, hi = (lo, d) if mse(c) < mse(d) else (c, hi)
+    return (lo + hi) / 2
+
+
+# Unit-Gaussian tables, computed once at import (a few milliseconds):
+# UNIFORM_STEP[b]: the MSE-optimal mid-rise step for 2**b levels (0.9957 at 2 bits, 0.3352 at 4);
+# LLOYD_LEVELS[b]: the Lloyd-Max levels (2 bits: -1.5104, -0.4528, 0.4528, 1.5104);
+# GAUSSIAN_MSE[(format, b)]: the mean squared error per value of that quantizer on N(0, 1) (the floor a
+# rotated block approaches; 0.1175 for 2-bit Lloyd-Max).
+UNIFORM_STEP = {b: _uniform_step(2**b) for b in FORMAT_BITS["uniform"]}
+LLOYD_LEVELS = {b: _lloyd_max(2**b) for b in FORMAT_BITS["lloyd"]}
+GAUSSIAN_MSE = {}
+for _b, _step in UNIFORM_STEP.items():
+    _lv = (np.arange(2**_b) + 0.5 - 2 ** (_b - 1)) * _step
+    GAUSSIAN_MSE[("uniform", _b)] = _gaussian_cell_mse(np.concatenate([[-np.inf], (_lv[1:] + _lv[:-1]) / 2, [np.inf]]), _lv)
+for _b, _lv in LLOYD_LEVELS.items():
+    GAUSSIAN_MSE[("lloyd", _b)] = _gaussian_cell_mse(np.concatenate([[-np.inf], (_lv[1:] + _lv[:-1]) / 2, [np.inf]]), _lv)
+
+
+def validate(bits, block_size=DEFAULT_BLOCK_SIZE, format="int", *, rotate=False, stochastic=False):
     """Raises ``ValueError`` naming the bad value and the valid choices."""
     if isinstance(bits, bool) or bits not in BITS:
         raise ValueError(f"bits={bits!r} is not supported; choose one of {BITS}.")
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is unknown; choose one of {FORMATS}.")
-    if format == "e3m0" and bits != 4:
-        raise ValueError(f"format='e3m0' is a 4-bit format, but bits={bits!r}; use bits=4 or format='int'.")
+    if bits not in FORMAT_BITS[format]:
+        others = [f for f in FORMATS if bits in FORMAT_BITS[f]]
+        raise ValueError(
+            f"format={format!r} supports bits in {FORMAT_BITS[format]}, not bits={bits!r}; at {bits} bits use one of {others}."
+        )
+    if stochastic and format not in ROUNDING_FORMATS:
+        raise ValueError(
+            f"stochastic rounding needs a grid that covers the block ({ROUNDING_FORMATS}); format={format!r} clips "
+            "and cannot round without bias. Use format='int' or switch stochastic rounding off."
+        )
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
         raise ValueError(f"block_size={block_size!r} must be a positive integer (a multiple of 8, e.g. 256).")
     if block_size % 8:
@@ -77,13 +185,21 @@ def validate(bits, block_size=DEFAULT_BLOCK_SIZE, format="int"):
             f"block_size={block_size!r} must be a multiple of 8 so that every block packs into whole bytes "
             "at 1 bit per value (e.g. 64, 128, 256)."
         )
+    if rotate and block_size & (block_size - 1):
+        raise ValueError(
+            f"rotate=True needs a power-of-two block_size (the Hadamard transform's size), not {block_size}; "
+            "use 64, 128, 256, 512 or 1024."
+        )
 
 
-def validate_compression(bits, block_size, format, *, error_bits, beta, beta_name="beta"):
+def validate_compression(bits, block_size, format, *, error_bits, beta, beta_name="beta", rotate=False,
+                         stochastic=False):
     """Checks shared by every compressing transformation: payload bits (None: exact fp32), block,
-    format, the error buffer's storage bits and its moving-average weight."""
+    format, rotation, the error buffer's storage bits and its moving-average weight."""
+    if not isinstance(rotate, bool):
+        raise ValueError(f"rotate={rotate!r} must be True or False.")
     if bits is not None:
-        validate(bits, block_size, format)
+        validate(bits, block_size, format, rotate=rotate, stochastic=stochastic)
     else:
         if format not in FORMATS:
             raise ValueError(f"format={format!r} is unknown; choose one of {FORMATS}.")
@@ -118,7 +234,11 @@ def quantize(x, bits, *, format="int", key=None):
     absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     noise = None if key is None else _uniform(key, x.shape)
 
-    if format == "e3m0":
+    if format in ("uniform", "lloyd"):
+        if noise is not None:
+            validate(bits, x.shape[-1] if x.shape[-1] % 8 == 0 else 8, format, stochastic=True)  # raises
+        codes, scale = _quantize_fitted(x, absmax, bits, format)
+    elif format == "e3m0":
         codes, scale = _quantize_e3m0(x, absmax, noise)
     elif bits == 1:
         if noise is None:
@@ -139,6 +259,47 @@ def quantize(x, bits, *, format="int", key=None):
 
     scale = jnp.where(finite, scale, jnp.nan)
     return codes, scale[..., 0]
+
+
+def _unit_levels(bits, format):
+    """The decode table: unit levels of the ``uniform`` / ``lloyd`` formats, ascending, outer ones +-1."""
+    n = 2**bits
+    if format == "uniform":
+        levels = (2 * np.arange(n) + 1 - n) / (n - 1)
+    else:
+        levels = LLOYD_LEVELS[bits] / LLOYD_LEVELS[bits][-1]
+    return levels.astype(np.float32)
+
+
+def _thresholds(bits, format):
+    """Decision boundaries in units of the block's RMS (midpoints between Gaussian-fitted levels)."""
+    n = 2**bits
+    if format == "uniform":
+        return None
+    levels = LLOYD_LEVELS[bits]
+    return ((levels[1:] + levels[:-1]) / 2).astype(np.float32)
+
+
+def _quantize_fitted(x, absmax, bits, format):
+    """Codes at the RMS-fitted grid, then the least-squares scale for those codes (see the module docstring)."""
+    n = 2**bits
+    safe = jnp.where(absmax > 0, absmax, 1.0)
+    u = x / safe  # |u| <= 1: nothing below overflows, however large the block
+    rms = jnp.sqrt(jnp.mean(u * u, axis=-1, keepdims=True))
+    y = u / jnp.where(rms > 0, rms, 1.0)
+    if format == "uniform":
+        k = jnp.clip(jnp.floor(y / np.float32(UNIFORM_STEP[bits]) + n / 2), 0, n - 1)
+        codes = k.astype(jnp.uint8)
+        level = (2.0 * k + (1 - n)) / (n - 1)
+    else:
+        t = _thresholds(bits, format)
+        k = jnp.zeros(y.shape, jnp.int32)
+        for edge in t:  # 2**b - 1 comparisons: 3 at 2 bits, 15 at 4
+            k = k + (y > edge).astype(jnp.int32)
+        codes = k.astype(jnp.uint8)
+        level = jnp.asarray(_unit_levels(bits, format))[k]
+    s = jnp.sum(u * level, axis=-1, keepdims=True) / jnp.sum(level * level, axis=-1, keepdims=True)
+    return codes, absmax * jnp.clip(s, 0.0, 1.0)
 
 
 def _quantize_e3m0(x, absmax, noise):
@@ -170,7 +331,9 @@ def dequantize(codes, scales, bits, *, format="int"):
     """Inverse of :func:`quantize`: fp32 values of the codes' shape."""
     scales = jnp.asarray(scales, jnp.float32)[..., None]
     c = codes.astype(jnp.int32)
-    if format == "e3m0":
+    if format in ("uniform", "lloyd"):
+        val = jnp.asarray(_unit_levels(bits, format))[c]
+    elif format == "e3m0":
         e = c & 7
         mag = jnp.where(e > 0, jnp.ldexp(jnp.ones(c.shape, jnp.float32), e - 7), 0.0)
         val = jnp.where(c >= 8, -mag, mag)
@@ -179,6 +342,48 @@ def dequantize(codes, scales, bits, *, format="int"):
     else:
         val = (c - qmax(bits)).astype(jnp.float32)
     return val * scales
+
+
+def _column_signs(cols, seed):
+    """+-1 for each column, a hash of (column, seed): the same on every device, nothing stored."""
+    h = lax.iota(jnp.uint32, cols) * jnp.uint32(0x9E3779B1) + jnp.uint32(seed % 2**32)
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    h = h ^ (h >> 16)
+    return 1.0 - 2.0 * (h >> 31).astype(jnp.float32)
+
+
+def _hadamard(x, n):
+    """``x @ H_n / sqrt(n)`` on every block of ``n`` values of the last axis (fast Walsh-Hadamard, log2 n stages)."""
+    shape = x.shape
+    y = x.reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.reshape(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = jnp.stack([a + b, a - b], axis=2)
+        h *= 2
+    return (y.reshape(shape) * np.float32(1.0 / math.sqrt(n))).astype(x.dtype)
+
+
+def rotate(x, block_size=DEFAULT_BLOCK_SIZE, seed=0):
+    """The randomized Hadamard transform of every block of the last axis: ``(x * S) @ H / sqrt(n)``.
+
+    Orthogonal and linear; the signs ``S`` depend on the column and ``seed`` only. Inverse: :func:`unrotate`.
+    """
+    validate(8, block_size, "int", rotate=True)
+    cols = x.shape[-1]
+    if cols % block_size:
+        raise ValueError(f"a row of {cols} values is not a whole number of blocks of {block_size}.")
+    return _hadamard(x * _column_signs(cols, seed), block_size)
+
+
+def unrotate(y, block_size=DEFAULT_BLOCK_SIZE, seed=0):
+    """Inverse of :func:`rotate`: ``(y @ H / sqrt(n)) * S`` (``H`` is symmetric and ``H H = n I``)."""
+    cols = y.shape[-1]
+    return _hadamard(y, block_size) * _column_signs(cols, seed)
 
 
 def finite_blocks(scales):

@@ -72,6 +72,7 @@ def make_optimizer(cfg: config_lib.Config):
         loco.compress(
             c.bits, beta=c.beta, compensate=c.compensate, error_bits=c.error_bits, block_size=c.block_size,
             reset_every=c.reset_every, compensate_second_stage=c.compensate_second_stage, axis_name="data",
+            format=c.format, rotate=c.rotate, preset=c.preset, seed=cfg.seed,
         )
     ]
     if o.grad_clip is not None:
@@ -84,8 +85,8 @@ def make_optimizer(cfg: config_lib.Config):
     outer = optax.sgd(d.outer_lr, momentum=d.outer_momentum or None, nesterov=d.outer_momentum > 0)
     return diloco.diloco(
         inner, sync_every=d.sync_every, outer=outer, num_fragments=d.num_fragments, overlap=d.overlap,
-        alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, mode=d.mode,
-        block_size=d.block_size,
+        alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, rotate=d.rotate, mode=d.mode,
+        block_size=d.block_size, preset=d.preset, seed=cfg.seed,
     )
 
 
@@ -227,6 +228,7 @@ class Trainer:
     """Builds the mesh, data, programs and state of a config; ``run()`` trains."""
 
     def __init__(self, cfg: config_lib.Config, workdir: str, log=_emit):
+        cfg = config_lib.resolve(cfg)  # idempotent on a resolved config; None settings take the library defaults
         self.cfg, self.workdir, self.log = cfg, workdir, log
         self.mesh = mesh_lib.make_mesh(cfg.mesh.replicas, cfg.mesh.data)
         self.m, self.d = self.mesh.shape["replica"], self.mesh.shape["data"]
@@ -596,12 +598,19 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
     return state, meta
 
 
-def _check_resume_config(workdir, cfg, log):
+def _saved_config(workdir):
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
-        return
+        return None
     with open(path) as f:
-        old = json.load(f)
+        return json.load(f)
+
+
+def _check_resume_config(workdir, cfg, log):
+    old = _saved_config(workdir)
+    if old is None:
+        return
+    old = config_lib.with_reference_fields(old)  # an older run's unrecorded fields: the settings it ran with
     new = config_lib.to_dict(cfg)
     changed = config_lib.changed_fields(old, new)
     frozen = [k for k in changed if k.split(".")[0] in config_lib.FROZEN_ON_RESUME]
@@ -629,6 +638,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
     """
     config_lib.validate(cfg)
     os.makedirs(workdir, exist_ok=True)
+    cfg = config_lib.resolve(cfg, _saved_config(workdir))  # None settings: the run's own, else the library's
     _check_resume_config(workdir, cfg, log)
     trainer = Trainer(cfg, workdir, log)
     trainer.dataset  # load (or download) the data before anything compiles

@@ -1,0 +1,249 @@
+"""Low-bit quality: quantizer formats, rotation and compensation on real training, and the per-bit defaults.
+
+    python benchmarks/lowbit.py --list              # every cell and its train.py command line
+    python benchmarks/lowbit.py --group select      # seed 0: the candidates the defaults are chosen from
+    python benchmarks/lowbit.py --group final       # seeds 1-3: full precision, the defaults, naive
+    python benchmarks/lowbit.py --group diloco      # Streaming DiLoCo's 2- and 1-bit outer exchange
+    python benchmarks/lowbit.py --report            # tables and plots from the finished cells
+
+Same model, data, steps (480), batch (16 x 64), learning rate and clipping as
+``benchmarks/quality.py`` (whose helpers run the cells): each cell is one
+``train.py`` run on 8 simulated CPU devices, resumable, in
+``runs/quality/NAME-KEY`` where KEY hashes the fully resolved config, so a
+cell run under one set of library defaults is never reported under another.
+
+Every cell runs at today's wire budget: the two-stage all-reduce, block 256,
+one fp32 scale per block, ``b + 0.125`` bits per value (the same bytes as
+the ``int`` format at that width, checked from HLO in tests/test_hlo.py), and
+8-bit error buffers. Settings are chosen on seed 0 (``select``) and reported on
+fresh seeds 1, 2, 3 (``final``) as signed paired gaps to full precision with
+the same seed and data order. The ``final`` cells set only ``loco.bits`` (and
+``loco.compensate=false`` for naive), so they run whatever ``loco.MEASURED``
+says for that width: what a user gets from ``--set loco.bits=2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not benchmarks/
+from benchmarks import common, quality  # noqa: E402
+
+HEADING = "## Low-bit quality: formats, rotation, compensation (benchmarks/lowbit.py)"
+FINAL_SEEDS = (1, 2, 3)
+TARGETS = {4: 0.3, 2: 2.0, 1: 4.0}  # mean paired gap (%) over seeds 1-3 (issue 11); 4-bit: no seed above 0.5
+
+
+def _seed(s):
+    return [f"seed={s}", f"data.seed={s}"]
+
+
+def _loco(bits, fmt, rotate, comp=True, beta=0.8, second=False):
+    """Every LoCo setting spelled out, so a selection cell does not move when the defaults do."""
+    return [f"loco.bits={bits}", f"loco.format={fmt}", f"loco.rotate={str(rotate).lower()}",
+            f"loco.compensate={str(comp).lower()}", f"loco.beta={beta}",
+            f"loco.compensate_second_stage={str(second).lower()}"]
+
+
+# (name, bits, format, rotate, compensation): compensation is naive / ef (beta 0) / loco (beta 0.8),
+# with "+2" for the second-stage buffer.
+SELECT = [
+    ("sel2_lloydrot_naive", 2, "lloyd", True, "naive"),
+    ("sel2_lloydrot_ef", 2, "lloyd", True, "ef"),
+    ("sel2_lloydrot_loco", 2, "lloyd", True, "loco"),
+    ("sel2_lloyd_loco", 2, "lloyd", False, "loco"),
+    ("sel2_lloydrot_loco+2", 2, "lloyd", True, "loco+2"),
+    ("sel2_lloydrot_ef+2", 2, "lloyd", True, "ef+2"),
+    ("sel1_int_naive", 1, "int", False, "naive"),
+    ("sel1_introt_naive", 1, "int", True, "naive"),
+    ("sel1_introt_ef", 1, "int", True, "ef"),
+    ("sel1_introt_loco", 1, "int", True, "loco"),
+    ("sel1_introt_loco+2", 1, "int", True, "loco+2"),
+    ("sel4_int_loco", 4, "int", False, "loco"),
+    ("sel4_lloyd_loco", 4, "lloyd", False, "loco"),
+    ("sel4_lloydrot_loco", 4, "lloyd", True, "loco"),
+    ("sel4_introt_loco", 4, "int", True, "loco"),
+]
+
+
+def _comp(kind):
+    base, second = kind.split("+")[0], kind.endswith("+2")
+    return dict(comp=base != "naive", beta=0.0 if base == "ef" else 0.8, second=second)
+
+
+def cells() -> dict[str, tuple[str, list[str]]]:
+    out = {"fp32_s0": ("select", _seed(0))}
+    for name, bits, fmt, rot, kind in SELECT:
+        out[name] = ("select", _seed(0) + _loco(bits, fmt, rot, **_comp(kind)))
+    for s in FINAL_SEEDS:
+        out[f"fp32_s{s}"] = ("final", _seed(s))
+        for b in (4, 2, 1):
+            out[f"default{b}_s{s}"] = ("final", _seed(s) + [f"loco.bits={b}"])
+            out[f"naive{b}_s{s}"] = ("final", _seed(s) + [f"loco.bits={b}", "loco.compensate=false"])
+    for m in (2, 4):
+        stream = [f"mesh.replicas={m}", "diloco.enabled=true", f"diloco.sync_every={quality.H}",
+                  "diloco.num_fragments=3", "diloco.overlap=1", "diloco.alpha=0.5", "diloco.block_size=256"]
+        out[f"m{m}_stream_fp32"] = ("diloco", _seed(0) + stream)
+        for b in (2, 1):
+            out[f"m{m}_stream_default{b}"] = ("diloco", _seed(0) + stream + [f"diloco.bits={b}"])
+            out[f"m{m}_stream_ref{b}"] = ("diloco", _seed(0) + stream + [f"diloco.bits={b}", "diloco.preset=reference"])
+    return quality.register(out)
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _gap(a, b):
+    return 100 * (a / b - 1)
+
+
+def _cell(name):
+    return f"{quality.final(name):.4f}" if quality.finished(name) else "not run"
+
+
+def select_table():
+    ref = quality.final("fp32_s0")
+    lines = [
+        "### Selection on seed 0: final eval loss and gap to full precision (seed 0)",
+        "",
+        f"Full precision, seed 0: {_cell('fp32_s0')}. naive: no compensation; EF: error feedback (beta 0); "
+        "LoCo: beta 0.8; +2: a second error buffer on the re-quantized reduced chunk. Every cell: two-stage, "
+        "block 256, 8-bit error buffers.",
+        "",
+        "| bits | format | rotation | compensation | eval loss | gap |",
+        "|---:|---|---|---|---:|---:|",
+    ]
+    for name, bits, fmt, rot, kind in SELECT:
+        gap = f"{_gap(quality.final(name), ref):+.2f} %" if quality.finished(name) else ""
+        lines.append(f"| {bits} | {fmt} | {'Hadamard' if rot else 'none'} | {kind} | {_cell(name)} | {gap} |")
+    return "\n".join(lines)
+
+
+def _paired(prefix):
+    return [(s, _gap(quality.final(f"{prefix}_s{s}"), quality.final(f"fp32_s{s}"))) for s in FINAL_SEEDS
+            if quality.finished(f"{prefix}_s{s}") and quality.finished(f"fp32_s{s}")]
+
+
+def final_table():
+    from loco_jax import loco
+
+    lines = [
+        "### The defaults on fresh seeds 1-3: signed paired gaps to full precision (same seed, same data order)",
+        "",
+        "| bits | `loco.compress(bits=b)` resolves to | gaps, seeds 1 / 2 / 3 | mean | target | naive in the same format (mean) |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+    for b in (4, 2, 1):
+        s = loco.settings(b)
+        what = (f"{s['format']}, {'rotated' if s['rotate'] else 'no rotation'}, "
+                + (f"beta {s['beta']:g}" if s["compensate"] else "no compensation")
+                + (", second stage" if s["compensate_second_stage"] else ""))
+        gaps = _paired(f"default{b}")
+        naive = _paired(f"naive{b}")
+        mean = statistics.mean(g for _, g in gaps) if gaps else float("nan")
+        target = f"<= +{TARGETS[b]:g} %" + (", no seed > +0.5 %" if b == 4 else "")
+        met = gaps and mean <= TARGETS[b] and (b != 4 or max(g for _, g in gaps) <= 0.5)
+        lines.append(
+            f"| {b} | {what} | {' / '.join(f'{g:+.2f} %' for _, g in gaps) or 'not run'} | {mean:+.2f} % | "
+            f"{target}: {'met' if met else 'missed'} | "
+            f"{(f'{statistics.mean(g for _, g in naive):+.2f} %' if naive else 'not run')} |"
+        )
+    fp = [quality.final(f"fp32_s{s}") for s in FINAL_SEEDS if quality.finished(f"fp32_s{s}")]
+    if len(fp) > 1:
+        lines += ["", f"Full precision over seeds 1-3: {statistics.mean(fp):.4f} +/- {statistics.stdev(fp):.4f} "
+                  "(mean +/- sd)."]
+    return "\n".join(lines)
+
+
+def diloco_table():
+    from loco_jax import diloco
+
+    lines = [
+        f"### Streaming DiLoCo's outer exchange at 2 and 1 bits (seed 0, H = {quality.H}, P = 3, tau = 1, alpha 0.5)",
+        "",
+        "Final eval loss on the global parameters, gap to Streaming DiLoCo with an fp32 exchange (the same M). "
+        "default: `diloco.diloco(bits=b)`'s settings; reference: int absmax, no rotation, no compensation.",
+        "",
+        "| M | bits | default resolves to | default | reference |",
+        "|---:|---:|---|---:|---:|",
+    ]
+    for m in (2, 4):
+        base = quality.final(f"m{m}_stream_fp32")
+        for b in (2, 1):
+            s = diloco.settings(b)
+            what = f"{s['format']}, {'rotated' if s['rotate'] else 'no rotation'}, {'compensated' if s['compensate'] else 'no compensation'}"
+            row = []
+            for n in (f"m{m}_stream_default{b}", f"m{m}_stream_ref{b}"):
+                row.append(f"{_cell(n)} ({_gap(quality.final(n), base):+.2f} %)" if quality.finished(n) else "not run")
+            lines.append(f"| {m} | {b} | {what} | {row[0]} | {row[1]} |")
+        lines.append(f"| {m} | fp32 | | {_cell(f'm{m}_stream_fp32')} | |")
+    return "\n".join(lines)
+
+
+def plots():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(quality.IMG, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+    for ax, b in zip(axes, (4, 2, 1)):
+        for n, label, style in (("fp32_s1", "fp32", "k-"), (f"naive{b}_s1", "naive (default format)", "r--"),
+                                (f"default{b}_s1", "default (best measured)", "g-")):
+            if quality.evals(n):
+                ax.plot(*zip(*quality.evals(n)), style, marker="o", ms=3, label=label)
+        ax.set_title(f"{b}-bit gradient all-reduce, 8 devices, seed 1")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0].set_ylabel("eval loss (nats/byte)")
+    fig.tight_layout()
+    path = os.path.join(quality.IMG, "lowbit_loss.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def report(no_write, extra_args):
+    png = plots()
+    rel = os.path.relpath(png, os.path.dirname(common.RESULTS))
+    body = "\n\n".join([
+        "Model, data and schedule: as in the training-quality section (919k parameters, 480 steps of 16 x 64 "
+        "bytes of Shakespeare, AdamW lr 3e-3, clip 1.0, 8 simulated devices). Each cell's command: "
+        "`python benchmarks/lowbit.py --list`.",
+        select_table(), final_table(), f"![low-bit eval loss]({rel})", diloco_table(),
+    ])
+    common.report(HEADING, body, no_write=no_write, extra_args=extra_args)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--group", choices=("select", "final", "diloco"), action="append")
+    ap.add_argument("--cell", action="append")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--report", action="store_true", help="only write the tables and plots")
+    ap.add_argument("--no-write", action="store_true", help="print the tables; leave docs/ alone")
+    args = ap.parse_args()
+    table = cells()
+    if args.list:
+        for name, (group, overrides) in table.items():
+            done = " (done)" if quality.finished(name) else ""
+            print(f"{name} [{group}]{done}: python {' '.join(quality.argv(name, overrides))}")
+        return
+    if not args.report:
+        unknown = set(args.cell or ()) - set(table)
+        if unknown:
+            raise SystemExit(f"unknown cell(s) {sorted(unknown)}; see --list")
+        chosen = [n for n, (g, _) in table.items()
+                  if (not args.group and not args.cell) or (args.group and g in args.group) or (args.cell and n in args.cell)]
+        for i, name in enumerate(chosen, 1):
+            quality.run_cell(name, table[name][1], i, len(chosen))
+    report(args.no_write, [a for a in sys.argv[1:] if a != "--no-write"])
+
+
+if __name__ == "__main__":
+    main()

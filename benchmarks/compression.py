@@ -100,11 +100,19 @@ def variants():
         ("bf16 lax.psum", "bf16", {}),
         ("loco bits=None (fp32)", "loco", dict(bits=None)),
     ]
-    for mode in ("two_stage", "all_gather"):
+    for mode in ("two_stage", "all_gather"):  # LoCo's reference settings: int absmax payloads, beta 0.8
         for bits in (8, 4, 2, 1):
-            out.append((f"loco {bits}-bit {mode}", "loco", dict(bits=bits, mode=mode)))
-    out.append(("loco 4-bit e3m0 two_stage", "loco", dict(bits=4, format="e3m0", mode="two_stage")))
+            out.append((f"loco {bits}-bit {mode}", "loco", dict(bits=bits, mode=mode, preset="reference")))
+    out.append(("loco 4-bit e3m0 two_stage", "loco", dict(bits=4, format="e3m0", mode="two_stage", preset="reference")))
+    for bits in (4, 2, 1):  # what loco.compress(bits=b) resolves to (loco.MEASURED)
+        out.append((default_name(bits), "loco", dict(bits=bits, mode="two_stage")))
     return out
+
+
+def default_name(bits):
+    s = loco.settings(bits)
+    what = f"{s['format']}{', rotated' if s['rotate'] else ''}{'' if s['compensate'] else ', naive'}"
+    return f"loco {bits}-bit default ({what}) two_stage"
 
 
 def make_tx(kind, kwargs):
@@ -322,7 +330,7 @@ def part_time(steps, grads, names, baseline, repeats, steps_per_run, warmup):
 def time_table(rows, baseline):
     lines = [
         f"| compressed step | exact step ({baseline}), median ms/step | compressed, median ms/step "
-        "| ratio compressed / exact |",
+        "| ratio compressed / baseline |",
         "|---|---:|---:|---:|",
     ]
     lines += [f"| {name} | {ma * 1e3:.1f} | {mb * 1e3:.1f} | {ratio:.2f} |" for name, ma, mb, ratio in rows]
@@ -377,6 +385,9 @@ def main(argv=None):
     print("part 3: CPU time", flush=True)
     timed = ["loco 4-bit two_stage", "loco 4-bit all_gather", "loco 1-bit two_stage"]
     time_rows = part_time(steps, grads, timed, "fp32 lax.pmean", repeats, steps_per_run, warmup)
+    print("part 3b: the per-bit defaults against today's (reference) 4-bit step", flush=True)
+    default_rows = part_time(steps, grads, [default_name(b) for b in (4, 2, 1)], "loco 4-bit two_stage", repeats,
+                             steps_per_run, warmup)
 
     errs = dict(err_rows)
     ag4, ts4 = by_name["loco 4-bit all_gather"]["ratio"], four["ratio"]
@@ -433,6 +444,12 @@ def main(argv=None):
         "overhead of quantizing, packing and decoding, not a network speed-up.",
         "",
         time_table(time_rows, "fp32 lax.pmean"),
+        "",
+        "The per-bit defaults of `loco.compress(bits=b)` (Hadamard rotation and RMS-fitted levels where "
+        "`loco.MEASURED` says so) against today's reference 4-bit step (int absmax), timed the same way, "
+        "side by side (target: at most 1.3x):",
+        "",
+        time_table(default_rows, "loco 4-bit two_stage (reference)"),
         "",
         "### Interpretation",
         "",

@@ -54,19 +54,52 @@ SELECT = [
     ("sel2_lloydrot_naive", 2, "lloyd", True, "naive"),
     ("sel2_lloydrot_ef", 2, "lloyd", True, "ef"),
     ("sel2_lloydrot_loco", 2, "lloyd", True, "loco"),
-    ("sel2_lloyd_loco", 2, "lloyd", False, "loco"),
     ("sel2_lloydrot_loco+2", 2, "lloyd", True, "loco+2"),
-    ("sel2_lloydrot_ef+2", 2, "lloyd", True, "ef+2"),
+    ("sel2_lloyd_loco", 2, "lloyd", False, "loco"),
     ("sel1_int_naive", 1, "int", False, "naive"),
     ("sel1_introt_naive", 1, "int", True, "naive"),
     ("sel1_introt_ef", 1, "int", True, "ef"),
     ("sel1_introt_loco", 1, "int", True, "loco"),
     ("sel1_introt_loco+2", 1, "int", True, "loco+2"),
     ("sel4_int_loco", 4, "int", False, "loco"),
-    ("sel4_lloyd_loco", 4, "lloyd", False, "loco"),
+    ("sel4_lloydrot_naive", 4, "lloyd", True, "naive"),
+    ("sel4_lloydrot_ef", 4, "lloyd", True, "ef"),
     ("sel4_lloydrot_loco", 4, "lloyd", True, "loco"),
     ("sel4_introt_loco", 4, "int", True, "loco"),
+    ("sel2_uniformrot_loco", 2, "uniform", True, "loco"),
 ]
+
+
+# Streaming DiLoCo's outer exchange at M = 2 (seed 0): (name, bits, format, rotate, compensate).
+DILOCO_SELECT = [
+    ("m2_sel2_int_naive", 2, "int", False, False),
+    ("m2_sel2_lloydrot_naive", 2, "lloyd", True, False),
+    ("m2_sel2_lloydrot_comp", 2, "lloyd", True, True),
+    ("m2_sel1_int_naive", 1, "int", False, False),
+    ("m2_sel1_introt_naive", 1, "int", True, False),
+    ("m2_sel1_introt_comp", 1, "int", True, True),
+]
+
+
+def _stream(m):
+    """quality.py's Streaming DiLoCo cell: H = 24, P = 3, tau = 1, alpha 0.5, block 256, all-gather exchange."""
+    return [f"mesh.replicas={m}", "diloco.enabled=true", f"diloco.sync_every={quality.H}", "diloco.num_fragments=3",
+            "diloco.overlap=1", "diloco.alpha=0.5", "diloco.block_size=256"]
+
+
+def _outer(bits, fmt, rotate, comp):
+    return [f"diloco.bits={bits}", f"diloco.format={fmt}", f"diloco.rotate={str(rotate).lower()}",
+            f"diloco.compensate={str(comp).lower()}"]
+
+
+def _flipped(bits):
+    """The default's format with its compensation flipped: naive if it compensates, LoCo (beta 0.8) if not,
+    so the pair shows what compensation alone buys (or costs) at that width."""
+    from loco_jax import loco
+
+    if loco.settings(bits)["compensate"]:
+        return ["loco.compensate=false"]
+    return ["loco.compensate=true", "loco.beta=0.8"]
 
 
 def _comp(kind):
@@ -82,14 +115,14 @@ def cells() -> dict[str, tuple[str, list[str]]]:
         out[f"fp32_s{s}"] = ("final", _seed(s))
         for b in (4, 2, 1):
             out[f"default{b}_s{s}"] = ("final", _seed(s) + [f"loco.bits={b}"])
-            out[f"naive{b}_s{s}"] = ("final", _seed(s) + [f"loco.bits={b}", "loco.compensate=false"])
+            out[f"flipped{b}_s{s}"] = ("final", _seed(s) + [f"loco.bits={b}"] + _flipped(b))
     for m in (2, 4):
-        stream = [f"mesh.replicas={m}", "diloco.enabled=true", f"diloco.sync_every={quality.H}",
-                  "diloco.num_fragments=3", "diloco.overlap=1", "diloco.alpha=0.5", "diloco.block_size=256"]
-        out[f"m{m}_stream_fp32"] = ("diloco", _seed(0) + stream)
-        for b in (2, 1):
-            out[f"m{m}_stream_default{b}"] = ("diloco", _seed(0) + stream + [f"diloco.bits={b}"])
-            out[f"m{m}_stream_ref{b}"] = ("diloco", _seed(0) + stream + [f"diloco.bits={b}", "diloco.preset=reference"])
+        out[f"m{m}_stream_fp32"] = ("diloco", _seed(0) + _stream(m))
+    for name, bits, fmt, rot, comp in DILOCO_SELECT:  # M = 2: the candidates diloco.MEASURED is chosen from
+        out[name] = ("diloco", _seed(0) + _stream(2) + _outer(bits, fmt, rot, comp))
+    for b in (2, 1):  # M = 4: what diloco.diloco(bits=b) resolves to, and the reference
+        out[f"m4_stream_default{b}"] = ("diloco", _seed(0) + _stream(4) + [f"diloco.bits={b}"])
+        out[f"m4_stream_ref{b}"] = ("diloco", _seed(0) + _stream(4) + _outer(b, "int", False, False))
     return quality.register(out)
 
 
@@ -133,7 +166,7 @@ def final_table():
     lines = [
         "### The defaults on fresh seeds 1-3: signed paired gaps to full precision (same seed, same data order)",
         "",
-        "| bits | `loco.compress(bits=b)` resolves to | gaps, seeds 1 / 2 / 3 | mean | target | naive in the same format (mean) |",
+        "| bits | `loco.compress(bits=b)` resolves to | gaps, seeds 1 / 2 / 3 | mean | target | same format, compensation flipped: gaps (mean) |",
         "|---:|---|---|---:|---:|---:|",
     ]
     for b in (4, 2, 1):
@@ -142,14 +175,16 @@ def final_table():
                 + (f"beta {s['beta']:g}" if s["compensate"] else "no compensation")
                 + (", second stage" if s["compensate_second_stage"] else ""))
         gaps = _paired(f"default{b}")
-        naive = _paired(f"naive{b}")
+        flipped = _paired(f"flipped{b}")
         mean = statistics.mean(g for _, g in gaps) if gaps else float("nan")
         target = f"<= +{TARGETS[b]:g} %" + (", no seed > +0.5 %" if b == 4 else "")
         met = gaps and mean <= TARGETS[b] and (b != 4 or max(g for _, g in gaps) <= 0.5)
         lines.append(
             f"| {b} | {what} | {' / '.join(f'{g:+.2f} %' for _, g in gaps) or 'not run'} | {mean:+.2f} % | "
             f"{target}: {'met' if met else 'missed'} | "
-            f"{(f'{statistics.mean(g for _, g in naive):+.2f} %' if naive else 'not run')} |"
+            + ("not run" if not flipped else
+               f"{'LoCo' if not s['compensate'] else 'naive'}: " + " / ".join(f"{g:+.2f} %" for _, g in flipped)
+               + f" ({statistics.mean(g for _, g in flipped):+.2f} %)") + " |"
         )
     fp = [quality.final(f"fp32_s{s}") for s in FINAL_SEEDS if quality.finished(f"fp32_s{s}")]
     if len(fp) > 1:
@@ -164,22 +199,27 @@ def diloco_table():
     lines = [
         f"### Streaming DiLoCo's outer exchange at 2 and 1 bits (seed 0, H = {quality.H}, P = 3, tau = 1, alpha 0.5)",
         "",
-        "Final eval loss on the global parameters, gap to Streaming DiLoCo with an fp32 exchange (the same M). "
-        "default: `diloco.diloco(bits=b)`'s settings; reference: int absmax, no rotation, no compensation.",
+        "Final eval loss on the global parameters and its gap to Streaming DiLoCo with an fp32 exchange at the "
+        "same M. All-gather exchange (one quantization), block 256, 8-bit error buffers where compensated. "
+        "M = 2 rows are the candidates; M = 4 runs what `diloco.diloco(bits=b)` resolves to and the reference "
+        "(int absmax, no rotation, no compensation).",
         "",
-        "| M | bits | default resolves to | default | reference |",
-        "|---:|---:|---|---:|---:|",
+        "| M | bits | format | rotation | compensation | eval loss | gap to fp32 |",
+        "|---:|---:|---|---|---|---:|---:|",
     ]
-    for m in (2, 4):
-        base = quality.final(f"m{m}_stream_fp32")
-        for b in (2, 1):
-            s = diloco.settings(b)
-            what = f"{s['format']}, {'rotated' if s['rotate'] else 'no rotation'}, {'compensated' if s['compensate'] else 'no compensation'}"
-            row = []
-            for n in (f"m{m}_stream_default{b}", f"m{m}_stream_ref{b}"):
-                row.append(f"{_cell(n)} ({_gap(quality.final(n), base):+.2f} %)" if quality.finished(n) else "not run")
-            lines.append(f"| {m} | {b} | {what} | {row[0]} | {row[1]} |")
-        lines.append(f"| {m} | fp32 | | {_cell(f'm{m}_stream_fp32')} | |")
+    base = quality.final("m2_stream_fp32")
+    lines.append(f"| 2 | fp32 | | | | {_cell('m2_stream_fp32')} | |")
+    for name, bits, fmt, rot, comp in DILOCO_SELECT:
+        gap = f"{_gap(quality.final(name), base):+.2f} %" if quality.finished(name) else ""
+        lines.append(f"| 2 | {bits} | {fmt} | {'Hadamard' if rot else 'none'} | {'yes' if comp else 'no'} | {_cell(name)} | {gap} |")
+    base = quality.final("m4_stream_fp32")
+    lines.append(f"| 4 | fp32 | | | | {_cell('m4_stream_fp32')} | |")
+    for b in (2, 1):
+        for name, s in ((f"m4_stream_default{b}", diloco.settings(b)), (f"m4_stream_ref{b}", diloco.REFERENCE)):
+            gap = f"{_gap(quality.final(name), base):+.2f} %" if quality.finished(name) else ""
+            label = "default: " if "default" in name else "reference: "
+            lines.append(f"| 4 | {b} | {label}{s['format']} | {'Hadamard' if s['rotate'] else 'none'} | "
+                         f"{'yes' if s['compensate'] else 'no'} | {_cell(name)} | {gap} |")
     return "\n".join(lines)
 
 
@@ -192,7 +232,10 @@ def plots():
     os.makedirs(quality.IMG, exist_ok=True)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
     for ax, b in zip(axes, (4, 2, 1)):
-        for n, label, style in (("fp32_s1", "fp32", "k-"), (f"naive{b}_s1", "naive (default format)", "r--"),
+        from loco_jax import loco
+
+        flip = "naive" if loco.settings(b)["compensate"] else "LoCo beta 0.8"
+        for n, label, style in (("fp32_s1", "fp32", "k-"), (f"flipped{b}_s1", f"{flip}, same format", "r--"),
                                 (f"default{b}_s1", "default (best measured)", "g-")):
             if quality.evals(n):
                 ax.plot(*zip(*quality.evals(n)), style, marker="o", ms=3, label=label)

@@ -29,15 +29,17 @@ a level, on a mid-rise grid fitted to the block's RMS and then to the block::
     y     = u / r                                # the block in units of its RMS
     k     = clip(floor(y / D_N + N / 2), 0, N-1) # D_N: the MSE-optimal step for N(0, 1)
     L_k   = (2 k + 1 - N) / (N - 1)              # unit levels, the outer ones +-1
-    s     = clip(<u, L> / <L, L>, 0, 1)          # least-squares scale for these codes
-    scale = max|x| * s;   DQ(k) = L_k * scale
+    s     = max(<u, L> / <L, L>, 0)              # least-squares scale for these codes
+    scale = min(max|x| * s, float32 max);   DQ(k) = L_k * scale
 
 so 2 bits has four levels ``{-3, -1, 1, 3} / 3 * scale`` (no code wasted on an
 exact zero). Values beyond the outer level are clipped; what is clipped is
 quantization error like any other, and error feedback sees it. The
 least-squares scale never raises the block's error above assigning the same
-codes at the RMS-fitted scale, and ``s <= 1`` keeps every decoded value within
-``max|x|`` (no overflow for huge blocks). An all-zero block gets ``scale = 0``.
+codes at the RMS-fitted scale, and never above ``|x|^2`` (sending nothing); as a
+projection it keeps ``|DQ| <= |x|``. Working in units of ``max|x|`` keeps huge
+blocks from overflowing; only a scale beyond float32's range is capped there.
+An all-zero block gets ``scale = 0``.
 At 1 bit the codes are ``sign(x)`` and ``scale = mean|x|``, the ``int`` format's.
 
 ``format="lloyd"`` (4, 2, 1 bits): the same assignment-then-least-squares scale,
@@ -299,7 +301,9 @@ def _quantize_fitted(x, absmax, bits, format):
         codes = k.astype(jnp.uint8)
         level = jnp.asarray(_unit_levels(bits, format))[k]
     s = jnp.sum(u * level, axis=-1, keepdims=True) / jnp.sum(level * level, axis=-1, keepdims=True)
-    return codes, absmax * jnp.clip(s, 0.0, 1.0)
+    # s may exceed 1 (the grid's outer levels lie beyond a light-tailed block's absmax, e.g. at 8 bits);
+    # the codes in use still decode near the block's values. Only a scale past float32's range is capped.
+    return codes, jnp.minimum(absmax * jnp.maximum(s, 0.0), jnp.finfo(jnp.float32).max)
 
 
 def _quantize_e3m0(x, absmax, noise):

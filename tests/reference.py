@@ -1,5 +1,7 @@
 """NumPy re-derivations of the formulas in ALGORITHMS.md, written independently of loco_jax."""
 
+import functools
+
 import numpy as np
 
 
@@ -26,7 +28,13 @@ def quantize_dequantize(x, bits, block_size=256, fmt="int"):
     return out.reshape(-1)
 
 
-def loco_step(g, e, bits, beta, *, block_size=256, error_bits=8, reset=False, mode="two_stage", e2=None):
+def _q(v, bits, block_size, fmt):
+    if fmt in ("uniform", "lloyd"):
+        return fitted_quantize_dequantize(v, bits, fmt, block_size).astype(np.float32)
+    return quantize_dequantize(v, bits, block_size, fmt)
+
+
+def loco_step(g, e, bits, beta, *, block_size=256, error_bits=8, reset=False, mode="two_stage", e2=None, fmt="int"):
     """One LoCo step on M devices, in NumPy (ALGORITHMS.md sections 2-3).
 
     g, e: (M, N) per-device gradients and stored errors, N a multiple of M * block_size;
@@ -40,15 +48,75 @@ def loco_step(g, e, bits, beta, *, block_size=256, error_bits=8, reset=False, mo
         e = np.zeros_like(e)
         e2 = None if e2 is None else np.zeros_like(e2)
     h = g + e
-    sent = np.stack([quantize_dequantize(h[i], bits, block_size) for i in range(m)])
+    sent = np.stack([_q(h[i], bits, block_size, fmt) for i in range(m)])
     e_new = np.stack([store(beta * e[i] + (1 - beta) * (h[i] - sent[i])) for i in range(m)])
     if mode == "all_gather":
         return sent.sum(axis=0) / m, e_new, None
     chunks = sent.reshape(m, m, n // m).sum(axis=0) / m  # chunk j = mean over devices of row j
     if e2 is not None:
         h2 = chunks + e2
-        sent2 = np.stack([quantize_dequantize(h2[j], bits, block_size) for j in range(m)])
+        sent2 = np.stack([_q(h2[j], bits, block_size, fmt) for j in range(m)])
         e2 = np.stack([store(beta * e2[j] + (1 - beta) * (h2[j] - sent2[j])) for j in range(m)])
         return sent2.reshape(-1), e_new, e2
-    full = np.concatenate([quantize_dequantize(chunks[j], bits, block_size) for j in range(m)])
+    full = np.concatenate([_q(chunks[j], bits, block_size, fmt) for j in range(m)])
     return full, e_new, None
+
+
+@functools.lru_cache(maxsize=None)
+def gaussian_lloyd_max(n, iters=4000):
+    """Lloyd-Max levels of N(0, 1) with n levels, from scipy's normal distribution (an independent derivation)."""
+    from scipy import stats
+
+    levels = np.linspace(-2.0, 2.0, n)
+    for _ in range(iters):
+        edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
+        mass = stats.norm.cdf(edges[1:]) - stats.norm.cdf(edges[:-1])
+        levels = (stats.norm.pdf(edges[:-1]) - stats.norm.pdf(edges[1:])) / mass
+    return levels
+
+
+@functools.lru_cache(maxsize=None)
+def gaussian_uniform_step(n):
+    """The MSE-optimal step of an n-level mid-rise uniform quantizer of N(0, 1), by numerical integration."""
+    from scipy import integrate, optimize, stats
+
+    def mse(step):
+        levels = (np.arange(n) + 0.5 - n / 2) * step
+        edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
+        return sum(integrate.quad(lambda t, l=l: (t - l) ** 2 * stats.norm.pdf(t), a, b)[0]
+                   for a, b, l in zip(edges[:-1], edges[1:], levels))
+
+    return optimize.minimize_scalar(mse, bounds=(0.01, 3.0), method="bounded", options={"xatol": 1e-7}).x
+
+
+def fitted_quantize_dequantize(x, bits, fmt, block_size=256):
+    """DQ(Q(x)) of the ``uniform`` / ``lloyd`` formats: codes at the RMS-fitted grid, least-squares scale."""
+    x = np.asarray(x, np.float64).reshape(-1, block_size)
+    n = 2**bits
+    if fmt == "uniform":
+        step = gaussian_uniform_step(n)
+        unit = (2 * np.arange(n) + 1 - n) / (n - 1)
+    else:
+        gl = gaussian_lloyd_max(n)
+        unit = gl / gl[-1]
+        edges = (gl[1:] + gl[:-1]) / 2
+    out = np.empty_like(x)
+    for i, blk in enumerate(x):
+        amax = np.abs(blk).max()
+        if amax == 0:
+            out[i] = 0.0
+            continue
+        y = blk / np.sqrt(np.mean(blk**2))
+        k = np.clip(np.floor(y / step + n / 2), 0, n - 1).astype(int) if fmt == "uniform" else np.searchsorted(edges, y)
+        level = unit[k]
+        s = max(np.dot(blk / amax, level) / np.dot(level, level), 0.0)
+        out[i] = level * min(s * amax, np.finfo(np.float32).max)
+    return out.reshape(-1)
+
+
+def randomized_hadamard(x, signs):
+    """(x * signs) @ H / sqrt(n) for each row block, with scipy's Sylvester Hadamard matrix."""
+    from scipy.linalg import hadamard
+
+    n = x.shape[-1]
+    return (np.asarray(x, np.float64) * signs) @ hadamard(n) / np.sqrt(n)

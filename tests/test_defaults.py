@@ -1,0 +1,83 @@
+"""Per-bit defaults: None settings resolve from the library, config.json records them, old workdirs keep theirs."""
+
+import json
+import os
+
+import pytest
+
+from loco_jax import config as config_lib
+from loco_jax import diloco, loco, quant, trainer
+from tests.test_trainer import quiet, small_config, text_file  # noqa: F401  (the corpus fixture)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2, 1])
+def test_every_default_is_a_valid_setting(bits):
+    for lib in (loco, diloco):
+        s = lib.settings(bits)
+        quant.validate(bits, 256, s["format"], rotate=s["rotate"])
+        assert lib.settings(bits, preset="reference") == lib.REFERENCE
+
+
+def test_given_settings_win_and_none_takes_the_default():
+    assert loco.settings(2, format="int")["format"] == "int"
+    assert loco.settings(2, beta=0.0)["beta"] == 0.0
+    assert loco.settings(2) == loco.MEASURED[2]
+    with pytest.raises(ValueError, match="unknown LoCo setting"):
+        loco.settings(2, colour="red")
+
+
+def test_set_bits_alone_gets_the_measured_default():
+    cfg = config_lib.resolve(config_lib.override(config_lib.Config(), ["loco.bits=2", "diloco.bits=1"]))
+    for name in config_lib.RESOLVED_FIELDS["loco"]:
+        assert getattr(cfg.loco, name) == loco.MEASURED[2][name], name
+    for name in config_lib.RESOLVED_FIELDS["diloco"]:
+        assert getattr(cfg.diloco, name) == diloco.MEASURED[1][name], name
+    ref = config_lib.resolve(config_lib.override(config_lib.Config(), ["loco.bits=2", "loco.preset=reference"]))
+    assert {n: getattr(ref.loco, n) for n in config_lib.RESOLVED_FIELDS["loco"]} == loco.REFERENCE
+    explicit = config_lib.resolve(config_lib.override(config_lib.Config(), ["loco.bits=2", "loco.format=uniform"]))
+    assert explicit.loco.format == "uniform"
+    assert config_lib.resolve(explicit) == explicit, "resolving a resolved config changes nothing"
+
+
+def test_a_saved_run_keeps_its_settings_and_an_old_one_its_reference():
+    cfg = config_lib.override(config_lib.Config(), ["loco.bits=2"])
+    saved = config_lib.to_dict(config_lib.resolve(cfg))
+    saved["loco"]["format"] = "uniform"  # what that run was started with
+    assert config_lib.resolve(cfg, saved).loco.format == "uniform"
+    old = config_lib.to_dict(config_lib.Config())
+    for section, names in config_lib.RESOLVED_FIELDS.items():  # an older version recorded neither
+        for name in ("format", "rotate", "preset"):
+            old[section].pop(name, None)
+    old["loco"].update(beta=0.8, compensate=True, compensate_second_stage=False)
+    old["diloco"].update(compensate=False)
+    resolved = config_lib.resolve(cfg, old)
+    assert {n: getattr(resolved.loco, n) for n in config_lib.RESOLVED_FIELDS["loco"]} == loco.REFERENCE
+    assert {n: getattr(resolved.diloco, n) for n in config_lib.RESOLVED_FIELDS["diloco"]} == diloco.REFERENCE
+
+
+def test_config_json_records_the_resolved_settings_and_an_old_workdir_resumes(text_file, tmp_path):  # noqa: F811
+    workdir = str(tmp_path)
+    cfg = small_config(text_file, **{"loco.bits": "2", "diloco.bits": "2"})
+    trainer.train_and_evaluate(cfg, workdir, log=quiet, stop_after=6)
+    path = os.path.join(workdir, "config.json")
+    saved = json.load(open(path))
+    assert {n: saved["loco"][n] for n in config_lib.RESOLVED_FIELDS["loco"]} == loco.MEASURED[2]
+    assert {n: saved["diloco"][n] for n in config_lib.RESOLVED_FIELDS["diloco"]} == diloco.MEASURED[2]
+    # the same workdir as an older version would have left it: no format, rotate or preset recorded
+    for section in ("loco", "diloco"):
+        for name in ("format", "rotate", "preset"):
+            del saved[section][name]
+    saved["loco"].update(beta=0.8, compensate=True, compensate_second_stage=False)
+    saved["diloco"]["compensate"] = False
+    json.dump(saved, open(path, "w"))
+    lines = []
+    summary = trainer.train_and_evaluate(cfg, workdir, log=lines.append)
+    assert any("resumed from checkpoint at step 6" in line for line in lines)
+    assert summary["last_step"] == 12
+    resumed = json.load(open(path))
+    assert {n: resumed["loco"][n] for n in config_lib.RESOLVED_FIELDS["loco"]} == loco.REFERENCE
+    assert {n: resumed["diloco"][n] for n in config_lib.RESOLVED_FIELDS["diloco"]} == diloco.REFERENCE
+    # an explicit change of a resolved setting on resume is still refused by name
+    with pytest.raises(ValueError, match="loco.format"):
+        trainer.train_and_evaluate(small_config(text_file, **{"loco.bits": "2", "diloco.bits": "2",
+                                                              "loco.format": "uniform", "steps": 14}), workdir, log=quiet)

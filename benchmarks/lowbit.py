@@ -24,7 +24,6 @@ says for that width: what a user gets from ``--set loco.bits=2``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -67,6 +66,8 @@ SELECT = [
     ("sel4_lloydrot_loco", 4, "lloyd", True, "loco"),
     ("sel4_introt_loco", 4, "int", True, "loco"),
     ("sel2_uniformrot_loco", 2, "uniform", True, "loco"),
+    ("sel2_uniformrot_naive", 2, "uniform", True, "naive"),
+    ("sel2_introt_naive", 2, "int", True, "naive"),
 ]
 
 
@@ -264,28 +265,7 @@ def report(no_write, extra_args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--group", choices=("select", "final", "diloco"), action="append")
-    ap.add_argument("--cell", action="append")
-    ap.add_argument("--list", action="store_true")
-    ap.add_argument("--report", action="store_true", help="only write the tables and plots")
-    ap.add_argument("--no-write", action="store_true", help="print the tables; leave docs/ alone")
-    args = ap.parse_args()
-    table = cells()
-    if args.list:
-        for name, (group, overrides) in table.items():
-            done = " (done)" if quality.finished(name) else ""
-            print(f"{name} [{group}]{done}: python {' '.join(quality.argv(name, overrides))}")
-        return
-    if not args.report:
-        unknown = set(args.cell or ()) - set(table)
-        if unknown:
-            raise SystemExit(f"unknown cell(s) {sorted(unknown)}; see --list")
-        chosen = [n for n, (g, _) in table.items()
-                  if (not args.group and not args.cell) or (args.group and g in args.group) or (args.cell and n in args.cell)]
-        for i, name in enumerate(chosen, 1):
-            quality.run_cell(name, table[name][1], i, len(chosen))
-    report(args.no_write, [a for a in sys.argv[1:] if a != "--no-write"])
+    quality.cli(__doc__, ("select", "final", "diloco"), cells(), report)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def cells() -> dict[str, tuple[str, list[str]]]:
         out[f"sweep_alpha{alpha:g}"] = ("sweep", _stream(2, 4, alpha=alpha))
     for block in (64, 1024):
         out[f"sweep_block{block}"] = ("sweep", _stream(2, 4, block=block))
-    return out
+    return register(out)
 
 
 _OVERRIDES = {}  # cell name -> its overrides, filled by the scripts that define cells (see register)
@@ -123,7 +123,7 @@ def cell_dir(name, overrides=None) -> str:
     return os.path.join("runs", "quality", f"{name}-{resolved_key(overrides)}")
 
 
-def argv(name, overrides):
+def argv_of(name, overrides):
     sets = []
     for kv in BASE + overrides:
         sets += ["--set", kv]
@@ -149,9 +149,9 @@ def run_cell(name, overrides, index, total):
     os.makedirs(workdir, exist_ok=True)
     log_path = os.path.join(workdir, "train.log")
     start = time.perf_counter()
-    print(f"[{index}/{total}] {name}: python {' '.join(argv(name, overrides))}", flush=True)
+    print(f"[{index}/{total}] {name}: python {' '.join(argv_of(name, overrides))}", flush=True)
     with open(log_path, "a") as log:
-        proc = subprocess.run([sys.executable] + argv(name, overrides), cwd=common.ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run([sys.executable] + argv_of(name, overrides), cwd=common.ROOT, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise SystemExit(f"cell {name} failed (exit {proc.returncode}); see {log_path}")
     print(f"[{index}/{total}] {name}: eval loss {final(name):.4f} in {time.perf_counter() - start:.0f} s", flush=True)
@@ -317,28 +317,32 @@ def report(no_write, extra_args):
     common.report(HEADING, body, no_write=no_write, extra_args=extra_args)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--group", choices=("loco", "diloco_m2", "diloco_m4", "sweep"), action="append")
+def cli(doc, groups, table, report_fn, argv=None):
+    """The command line shared by the cell benchmarks: --group/--cell to run, --list, --report, --no-write."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--group", choices=groups, action="append")
     ap.add_argument("--cell", action="append")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--report", action="store_true", help="only write the tables and plots")
     ap.add_argument("--no-write", action="store_true", help="print the tables; leave docs/ alone")
-    args = ap.parse_args()
-    table = cells()
+    args = ap.parse_args(argv)
     if args.list:
         for name, (group, overrides) in table.items():
-            print(f"{name} [{group}]{' (done)' if finished(name) else ''}: python {' '.join(argv(name, overrides))}")
+            print(f"{name} [{group}]{' (done)' if finished(name) else ''}: python {' '.join(argv_of(name, overrides))}")
         return
     if not args.report:
-        chosen = [n for n, (g, _) in table.items()
-                  if (not args.group and not args.cell) or (args.group and g in args.group) or (args.cell and n in args.cell)]
         unknown = set(args.cell or ()) - set(table)
         if unknown:
             raise SystemExit(f"unknown cell(s) {sorted(unknown)}; see --list")
+        chosen = [n for n, (g, _) in table.items()
+                  if (not args.group and not args.cell) or (args.group and g in args.group) or (args.cell and n in args.cell)]
         for i, name in enumerate(chosen, 1):
             run_cell(name, table[name][1], i, len(chosen))
-    report(args.no_write, [a for a in sys.argv[1:] if a != "--no-write"])
+    report_fn(args.no_write, [a for a in sys.argv[1:] if a != "--no-write"])
+
+
+def main():
+    cli(__doc__, ("loco", "diloco_m2", "diloco_m4", "sweep"), cells(), report)
 
 
 if __name__ == "__main__":

@@ -165,14 +165,14 @@ def plot(gauss, real):
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
     for ax, mode in zip(axes, MODES):
-        for label, fmt, rot, style in (("int absmax (reference)", "int", False, "r--o"),
-                                       ("lloyd + rotation (1 bit: sign + rotation)", "lloyd", True, "g-o")):
+        for label, fmt, rot, color in (("int absmax (reference)", "int", False, "tab:red"),
+                                       ("lloyd + rotation (1 bit: sign + rotation)", "lloyd", True, "tab:green")):
             bits = [b for b in (1, 2, 4) if any(v[1] == b and v[2] == (fmt if b > 1 else "int") and v[3] == rot
                                                   for v in VARIANTS)]
             ys = [np.mean([real[s][(b, fmt if b > 1 else "int", rot, mode)] for s in real]) for b in bits]
-            ax.plot(bits, ys, style, label=f"{label}, real gradients")
-            ax.plot(bits, [gauss[(b, fmt if b > 1 else "int", rot, mode)] for b in bits], style.replace("-", ":"),
-                    alpha=0.5, label=f"{label}, Gaussian")
+            ax.plot(bits, ys, color=color, marker="o", label=f"{label}, real gradients")
+            ax.plot(bits, [gauss[(b, fmt if b > 1 else "int", rot, mode)] for b in bits], color=color, marker="s",
+                    linestyle=":", alpha=0.6, label=f"{label}, Gaussian")
         ax.plot([1, 2, 4], [floor("lloyd", b, mode) for b in (1, 2, 4)], "k-", lw=0.8, label="Gaussian floor")
         ax.set_xscale("log", base=2)
         ax.set_xticks([1, 2, 4], ["1", "2", "4"])
@@ -194,11 +194,18 @@ def main():
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     start = time.perf_counter()
-    real_grads = capture_gradients()
+    cache = os.path.join(common.ROOT, "runs", "quant_error.npz")  # the captured gradients: a rerun skips training
+    if os.path.exists(cache):
+        real_grads = {int(k): v for k, v in np.load(cache).items()}
+    else:
+        real_grads = capture_gradients()
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        np.savez(cache, **{str(k): v for k, v in real_grads.items()})
     n = next(iter(real_grads.values())).shape[1]
     mesh = jax.make_mesh((8,), ("data",))
     gauss = errors(np.random.RandomState(0).randn(8, n).astype(np.float32), mesh)
     real = {s: errors(g, mesh) for s, g in real_grads.items()}
+    print(tables(gauss, real), flush=True)
     png = plot(gauss, real)
     body = tables(gauss, real) + f"\n![single-step error]({os.path.relpath(png, os.path.dirname(common.RESULTS))})"
     common.report(HEADING, body + f"\n\n({time.perf_counter() - start:.0f} s)", no_write=args.no_write,

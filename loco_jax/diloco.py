@@ -174,18 +174,12 @@ def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, bet
 REFERENCE = dict(format="int", rotate=False, compensate=False)
 MEASURED = {8: dict(REFERENCE), 4: dict(REFERENCE), 2: dict(REFERENCE), 1: dict(REFERENCE)}
 SETTING_NAMES = tuple(REFERENCE)
-PRESETS = ("measured", "reference")
+PRESETS = quant.PRESETS
 
 
 def settings(bits, preset="measured", **given):
     """Resolved outer-exchange settings for ``bits``: ``given`` values that are not None, else the preset's."""
-    if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r} is unknown; choose one of {PRESETS}.")
-    unknown = set(given) - set(SETTING_NAMES)
-    if unknown:
-        raise ValueError(f"unknown outer-exchange setting(s) {sorted(unknown)}; the settings are {SETTING_NAMES}.")
-    base = REFERENCE if preset == "reference" or bits not in MEASURED else MEASURED[bits]
-    out = {k: (given[k] if given.get(k) is not None else base[k]) for k in SETTING_NAMES}
+    out = quant.preset_settings(bits, preset, given, reference=REFERENCE, measured=MEASURED, what="outer-exchange")
     if bits is None:  # an exact exchange: nothing to rotate or compensate unless asked (and then refused)
         out.update({k: bool(given.get(k)) for k in ("rotate", "compensate")})
     return out

@@ -13,17 +13,30 @@ at step ``t`` (the first ``update`` is ``t = 1``), with stored error ``e``
 
 and the optimizer receives the mean over workers of ``DQ(c)``, computed by
 the two-stage quantized all-reduce of :mod:`loco_jax.collectives` (all-to-all,
-fp32 sum, re-quantize, all-gather). ``beta = 0`` is plain error feedback
+fp32 sum, re-quantize, all-gather).
+
+With ``rotate=True`` the bucket is first mapped by a fixed randomized
+Hadamard transform ``R`` (orthogonal, one per bucket, the same on every
+device) and the whole step above runs on ``R g``: ``h = R g + e``,
+``c = Q_b(h)``, and the result is ``R^T`` of the reduced mean. The error
+buffer therefore holds ``R``-domain errors (``R^T e`` is the error in the
+gradient's own coordinates). ``format`` picks ``Q_b`` (:mod:`loco_jax.quant`:
+``int`` absmax, ``e3m0``, and the ``uniform`` / ``lloyd`` grids that use every
+code, fitted to the block's RMS and then by least squares). ``beta = 0`` is plain error feedback
 (Seide et al. 2014); ``compensate=False`` is naive low-bit communication;
 ``bits=None`` is the exact fp32 mean (the baseline). With
 ``compensate_second_stage=True`` the re-quantization of the reduced chunk is
 compensated the same way with a second buffer on that chunk (as LoCo's
 DeepSpeed code does).
 
-Residuals, sums and state are fp32 whatever the gradient dtype. Defaults
-follow the authors' reference code: 4 bits, beta 0.8, int8 error, reset every
-1024 steps (all buffers at once, where the reference rolls a per-tensor
-counter).
+Residuals, sums and state are fp32 whatever the gradient dtype. The error is
+stored in 8 bits and reset every 1024 steps (all buffers at once, where the
+reference rolls a per-tensor counter). ``format``, ``rotate``, ``beta``,
+``compensate`` and ``compensate_second_stage`` default per bit width to
+:data:`MEASURED`, the settings that trained best in ``benchmarks/lowbit.py``
+(docs/results.md, "Low-bit quality"); ``preset="reference"`` gives the
+authors' reference code's settings (int absmax, beta 0.8, no rotation) at
+every width.
 
 Non-finite gradients (ALGORITHMS.md): a NaN or Inf on any device must not
 reach the error buffers and every device must decide alike, so one finite
@@ -69,7 +82,7 @@ from loco_jax import quant, specs
 
 REDUCE_MODES = ("mean", "scatter")
 NONFINITE_MODES = ("skip", "propagate")
-PRESETS = ("measured", "reference")
+PRESETS = quant.PRESETS
 
 # LoCo's reference settings (the authors' code): absmax int payloads, beta 0.8, no rotation, no
 # second-stage buffer. ``preset="reference"`` gives these at every bit width.
@@ -92,37 +105,7 @@ def settings(bits, preset="measured", **given):
 
     ``preset="measured"``: :data:`MEASURED` (the per-bit defaults); ``"reference"``: :data:`REFERENCE`.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r} is unknown; choose one of {PRESETS}.")
-    unknown = set(given) - set(SETTING_NAMES)
-    if unknown:
-        raise ValueError(f"unknown LoCo setting(s) {sorted(unknown)}; the settings are {SETTING_NAMES}.")
-    base = REFERENCE if preset == "reference" or bits not in MEASURED else MEASURED[bits]
-    return {k: (given[k] if given.get(k) is not None else base[k]) for k in SETTING_NAMES}
-
-
-class CompressState(NamedTuple):
-    """State of :func:`compress`; one entry of the error tuples per bucket.
-
-    ``error[i]``: stored stage-1 error of bucket ``i``, ``(M, cols)``, ``uint8``
-    codes when ``error_bits`` is set (with fp32 block scales in
-    ``error_scale[i]``) or fp32. ``error2`` / ``error2_scale``: the
-    second-stage error on this device's reduced chunk, ``(1, cols)``. All
-    error buffers differ per device.
-    """
-
-    count: jax.Array  # int32 []: completed steps (t - 1 inside update)
-    skipped: jax.Array  # int32 []: steps skipped for non-finite gradients
-    key: jax.Array  # uint32 [2]: stochastic-rounding key, advanced every step
-    error: tuple = ()
-    error_scale: tuple = ()
-    error2: tuple = ()
-    error2_scale: tuple = ()
-
-
-class SkipNonfiniteState(NamedTuple):
-    inner: Any
-    skipped: jax.Array  # int32 []
+    return quant.preset_settings(bits, preset, given, reference=REFERENCE, measured=MEASURED, what="LoCo")
 
 
 def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce, mode, nonfinite, bucket_size,

@@ -449,3 +449,26 @@ def test_skipped_send_step_with_overlap2_equals_the_run_without_that_batch(mesh)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, skipped.params), jax.tree.map(np.asarray, clean.params))
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, skipped.state.global_params),
                                 jax.tree.map(np.asarray, clean.state.global_params))
+
+
+@pytest.mark.parametrize("bits,fmt", [(2, "lloyd"), (1, "int")])
+def test_rotated_low_bit_exchange_tracks_the_fp32_exchange(mesh, bits, fmt):
+    """A rotated exchange moves the global parameters as the fp32 one does, closer than the reference format."""
+    xs, ys = make_data(4)
+
+    def global_after_one_round(**kwargs):
+        run = Run(mesh, diloco.diloco(inner_adamw(), sync_every=4, overlap=0, **kwargs))
+        start = jax.tree.map(np.asarray, diloco.global_params(run.state))
+        for t in range(1, 5):
+            run.step(t, xs[t - 1], ys[t - 1])
+        end = jax.tree.map(np.asarray, diloco.global_params(run.state))
+        return np.concatenate([(e - s).ravel() for s, e in zip(jax.tree.leaves(start), jax.tree.leaves(end))]), run
+
+    exact, _ = global_after_one_round(bits=None)
+    rotated, run = global_after_one_round(bits=bits, format=fmt, rotate=True, compensate=True)
+    reference, _ = global_after_one_round(bits=bits, preset="reference")
+    assert np.linalg.norm(exact) > 0
+    err = lambda v: np.linalg.norm(v - exact) / np.linalg.norm(exact)
+    assert err(rotated) < {2: 0.6, 1: 0.9}[bits], err(rotated)
+    assert err(rotated) < err(reference), (err(rotated), err(reference))
+    assert any(np.any(np.asarray(e) != np.asarray(e).flat[0]) for e in run.state.error), "the error buffer was written"

@@ -66,8 +66,6 @@ SELECT = [
     ("sel4_lloydrot_loco", 4, "lloyd", True, "loco"),
     ("sel4_introt_loco", 4, "int", True, "loco"),
     ("sel2_uniformrot_loco", 2, "uniform", True, "loco"),
-    ("sel2_uniformrot_naive", 2, "uniform", True, "naive"),
-    ("sel2_introt_naive", 2, "int", True, "naive"),
 ]
 
 

@@ -16,8 +16,11 @@ Floors for N(0, 1) blocks with ``D`` the quantizer's mean squared error per
 unit variance (``quant.GAUSSIAN_MSE``): one quantization of each device's
 values (all-gather) errs ``sqrt(D)`` relative to the sum of M independent
 devices; the two-stage form quantizes each device's row (error ``M D``) and
-then the reduced chunk again (variance ``M (1 + D)``, error ``M D (1 + D)``),
-``sqrt(D (2 + D))`` in all.
+then the reduced chunk again. An MSE-optimal quantizer's output is
+uncorrelated with its error, so it carries ``1 - D`` of the input's energy:
+the chunk has variance ``M (1 - D)``, its re-quantization adds ``M D (1 - D)``,
+and the two errors are uncorrelated: ``sqrt(D (2 - D))`` in all (0.470 for
+2-bit Lloyd-Max, whose ``D`` is 0.1175).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def floor(fmt, bits, mode):
     d = quant_mse(fmt, bits)
     if d is None:
         return None
-    return math.sqrt(d * (2 + d)) if mode == "two_stage" else math.sqrt(d)
+    return math.sqrt(d * (2 - d)) if mode == "two_stage" else math.sqrt(d)
 
 
 def quant_mse(fmt, bits):
@@ -130,8 +133,8 @@ def tables(gauss, real):
     lines = [
         "Relative L2 error of one `collectives.quantized_pmean` over 8 devices against the exact fp32 mean "
         "(block 256, one bucket, no error feedback). Floor: N(0, 1) blocks, `sqrt(D)` for one quantization "
-        "(all-gather) and `sqrt(D (2 + D))` for two-stage, `D` the quantizer's Gaussian MSE "
-        "(`quant.GAUSSIAN_MSE`). Real gradients: each device's own gradient of the quality model at steps "
+        "(all-gather) and `sqrt(D (2 - D))` for two-stage (the re-quantized chunk holds `1 - D` of the energy), "
+        "`D` the quantizer's Gaussian MSE (`quant.GAUSSIAN_MSE`). Real gradients: each device's own gradient of the quality model at steps "
         + ", ".join(map(str, CAPTURE_STEPS)) + " of an fp32 run (seed 0); the column is their mean, the ratio "
         "is that mean over the mode's Gaussian floor.",
         "",

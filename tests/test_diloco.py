@@ -453,7 +453,7 @@ def test_skipped_send_step_with_overlap2_equals_the_run_without_that_batch(mesh)
 
 @pytest.mark.parametrize("bits,fmt", [(2, "lloyd"), (1, "int")])
 def test_rotated_low_bit_exchange_tracks_the_fp32_exchange(mesh, bits, fmt):
-    """A rotated exchange moves the global parameters as the fp32 one does, closer than the reference format."""
+    """A rotated, compensated low-bit exchange moves the global parameters close to where the fp32 one does."""
     xs, ys = make_data(4)
 
     def global_after_one_round(**kwargs):
@@ -466,9 +466,7 @@ def test_rotated_low_bit_exchange_tracks_the_fp32_exchange(mesh, bits, fmt):
 
     exact, _ = global_after_one_round(bits=None)
     rotated, run = global_after_one_round(bits=bits, format=fmt, rotate=True, compensate=True)
-    reference, _ = global_after_one_round(bits=bits, preset="reference")
     assert np.linalg.norm(exact) > 0
     err = lambda v: np.linalg.norm(v - exact) / np.linalg.norm(exact)
-    assert err(rotated) < {2: 0.6, 1: 0.9}[bits], err(rotated)
-    assert err(rotated) < err(reference), (err(rotated), err(reference))
+    assert err(rotated) < {2: 0.45, 1: 0.8}[bits], err(rotated)  # all-gather floors: 0.34 and 0.60 on Gaussians
     assert any(np.any(np.asarray(e) != np.asarray(e).flat[0]) for e in run.state.error), "the error buffer was written"

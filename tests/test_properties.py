@@ -136,3 +136,47 @@ def test_quantized_psum_bound_shape_dtype_any_input(data_mesh, shape, dtype, mod
     bound = (np.abs(x).reshape(8, -1).max(1).sum() + (np.abs(exact).max() if mode == "two_stage" else 0)) / (2 * 127)
     tol = bound * 1.01 + (np.abs(exact).max() * 2**-7 if dtype == jnp.bfloat16 else 0)  # the bf16 output cast
     assert np.all(np.abs(got[0] - exact) <= tol + 1e-44)
+
+
+FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each shape compiles anew
+
+
+@FEW
+@given(x=blocks(), fmt_bits=st.sampled_from([("uniform", 8), ("uniform", 4), ("uniform", 2), ("lloyd", 4), ("lloyd", 2),
+                                              ("lloyd", 1)]), rotate=st.booleans())
+def test_fitted_formats_never_do_worse_than_sending_nothing(x, fmt_bits, rotate):
+    """uniform / lloyd, rotated or not, on normal, huge, tiny, zero, mixed and subnormal blocks: every
+    finite block decodes finite, no longer than itself (a least-squares projection), zeros to zeros."""
+    fmt, bits = fmt_bits
+    x = flushed(x)
+    y = quant.rotate(jnp.asarray(x), BLOCK, 3) if rotate else jnp.asarray(x)
+    got = quant.quantize_dequantize(y, bits, block_size=BLOCK, format=fmt)
+    got = np.asarray(quant.unrotate(got, BLOCK, 3) if rotate else got, np.float64)
+    assert np.all(np.isfinite(got))
+    yb = np.asarray(y, np.float64).reshape(-1, BLOCK)
+    qb = np.asarray(quant.quantize_dequantize(y, bits, block_size=BLOCK, format=fmt), np.float64).reshape(-1, BLOCK)
+    for by, bq in zip(yb, qb):
+        norm = np.linalg.norm(by)
+        assert np.linalg.norm(bq) <= norm * (1 + 1e-5) + 1e-40
+        assert np.linalg.norm(bq - by) <= norm * (1 + 1e-5) + 1e-40
+        if norm == 0:
+            assert np.all(bq == 0)
+    if rotate:  # the rotation is orthogonal: the error norm is the same in both domains
+        np.testing.assert_allclose(np.linalg.norm(got - x), np.linalg.norm(qb - yb), rtol=1e-3, atol=1e-30)
+
+
+@FEW
+@given(x=blocks(), bad=st.sampled_from([np.nan, np.inf, -np.inf]), at=st.integers(0, 10**6),
+       fmt_bits=st.sampled_from([("uniform", 2), ("lloyd", 2), ("lloyd", 4), ("int", 1)]))
+def test_rotated_nonfinite_values_poison_only_their_block(x, bad, at, fmt_bits):
+    fmt, bits = fmt_bits
+    x = flushed(x).copy()
+    flat = x.reshape(-1)
+    i = at % flat.size
+    flat[i] = bad
+    codes, scales = quant.quantize(quant.rotate(jnp.asarray(x), BLOCK, 0).reshape(-1, BLOCK), bits, format=fmt)
+    finite = np.asarray(quant.finite_blocks(scales))
+    assert not finite[i // BLOCK] and finite.sum() == finite.size - 1
+    out = np.asarray(quant.unrotate(quant.dequantize(codes, scales, bits, format=fmt).reshape(x.shape), BLOCK, 0))
+    out = out.reshape(-1, BLOCK)
+    assert np.all(np.isnan(out[i // BLOCK])) and np.all(np.isfinite(np.delete(out, i // BLOCK, axis=0)))

@@ -329,7 +329,7 @@ def part_time(steps, grads, names, baseline, repeats, steps_per_run, warmup):
 
 def time_table(rows, baseline):
     lines = [
-        f"| compressed step | exact step ({baseline}), median ms/step | compressed, median ms/step "
+        f"| compressed step | baseline: {baseline}, median ms/step | compressed, median ms/step "
         "| ratio compressed / baseline |",
         "|---|---:|---:|---:|",
     ]

@@ -168,7 +168,7 @@ def final_table():
     lines = [
         "### The defaults on fresh seeds 1-3: signed paired gaps to full precision (same seed, same data order)",
         "",
-        "| bits | `loco.compress(bits=b)` resolves to | gaps, seeds 1 / 2 / 3 | mean | target | same format, compensation flipped: gaps (mean) |",
+        "| bits | `loco.compress(bits=b)` resolves to | gaps, seeds 1 / 2 / 3 | mean | target | same format, compensation flipped |",
         "|---:|---|---|---:|---:|---:|",
     ]
     for b in (4, 2, 1):
@@ -186,8 +186,8 @@ def final_table():
             f"{f'{mean:+.2f} %' if gaps else ''} | "
             f"{target}: {'met' if met else 'missed'} | "
             + ("not run" if not flipped else
-               f"{'LoCo' if not s['compensate'] else 'naive'}: " + " / ".join(f"{g:+.2f} %" for _, g in flipped)
-               + f" ({statistics.mean(g for _, g in flipped):+.2f} %)") + " |"
+               f"{'LoCo beta 0.8' if not s['compensate'] else 'naive'}: "
+               + ", ".join(f"seed {seed} {g:+.2f} %" for seed, g in flipped)) + " |"
         )
     fp = [quality.final(f"fp32_s{s}") for s in FINAL_SEEDS if quality.finished(f"fp32_s{s}")]
     if len(fp) > 1:

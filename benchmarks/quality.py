@@ -31,6 +31,7 @@ Groups:
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -111,9 +112,14 @@ def register(table):
 def resolved_key(overrides) -> str:
     """8 hex digits of the fully resolved config (library defaults for None settings filled in), so a
     cell's result under one set of defaults is never read back under another."""
+    return _resolved_key(tuple(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved_key(overrides) -> str:  # the reports ask for every cell's directory many times
     from loco_jax import config as config_lib
 
-    cfg = config_lib.resolve(config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), BASE + overrides))
+    cfg = config_lib.resolve(config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), BASE + list(overrides)))
     return hashlib.sha256(json.dumps(config_lib.to_dict(cfg), sort_keys=True).encode()).hexdigest()[:8]
 
 

@@ -151,14 +151,14 @@ def resolve(cfg: Config, saved: dict | None = None) -> Config:
     older version did not record, the reference setting it then ran with (never a newer default).
     """
     cfg = from_dict(to_dict(cfg))
+    saved = None if saved is None else with_reference_fields(saved)
     for section, names in RESOLVED_FIELDS.items():
         node, lib = getattr(cfg, section), _library(section)
-        old = None if saved is None else saved.get(section, {})
         given = {}
         for name in names:
             value = getattr(node, name)
-            if value is None and old is not None:
-                value = old.get(name, lib.REFERENCE[name])
+            if value is None and saved is not None:
+                value = saved[section][name]
             given[name] = value
         for name, value in lib.settings(node.bits, node.preset, **given).items():
             setattr(node, name, value)

@@ -111,12 +111,24 @@ def _cdf(t):
     return 0.5 * (1.0 + np.vectorize(math.erf)(t / math.sqrt(2.0)))
 
 
-def _gaussian_cell_mse(edges, levels):
-    """E[(X - level of X's cell)^2] for X ~ N(0, 1) and cells between ``edges`` (with -inf, inf)."""
-    a, b = edges[:-1], edges[1:]
-    pa, pb = np.where(np.isfinite(a), _phi(np.where(np.isfinite(a), a, 0.0)), 0.0), np.where(np.isfinite(b), _phi(np.where(np.isfinite(b), b, 0.0)), 0.0)
-    ta, tb = np.where(np.isfinite(a), np.where(np.isfinite(a), a, 0.0) * pa, 0.0), np.where(np.isfinite(b), np.where(np.isfinite(b), b, 0.0) * pb, 0.0)
-    m0 = _cdf(b) - _cdf(a)
+def _edges(levels):
+    """Cell boundaries of a nearest-level quantizer: -inf, the midpoints, +inf."""
+    return np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
+
+
+def _phi_and_t_phi(edges):
+    """phi(t) and t * phi(t) at each edge, 0 at the infinite ones."""
+    finite = np.isfinite(edges)
+    t = np.where(finite, edges, 0.0)
+    p = np.where(finite, _phi(t), 0.0)
+    return p, np.where(finite, t * p, 0.0)
+
+
+def _gaussian_cell_mse(levels):
+    """E[(X - nearest level)^2] for X ~ N(0, 1)."""
+    edges = _edges(levels)
+    (pa, ta), (pb, tb) = _phi_and_t_phi(edges[:-1]), _phi_and_t_phi(edges[1:])
+    m0 = _cdf(edges[1:]) - _cdf(edges[:-1])
     m1 = pa - pb
     m2 = m0 - (tb - ta)
     return float(np.sum(m2 - 2 * levels * m1 + levels**2 * m0))
@@ -126,26 +138,23 @@ def _lloyd_max(n, iters=3000):
     """Lloyd-Max levels of N(0, 1) with n levels (fixed point of centroid / midpoint), ascending."""
     levels = np.linspace(-2.0, 2.0, n) if n > 2 else np.array([-1.0, 1.0])
     for _ in range(iters):
-        edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
-        a, b = edges[:-1], edges[1:]
-        pa = np.where(np.isfinite(a), _phi(np.where(np.isfinite(a), a, 0.0)), 0.0)
-        pb = np.where(np.isfinite(b), _phi(np.where(np.isfinite(b), b, 0.0)), 0.0)
-        levels = (pa - pb) / (_cdf(b) - _cdf(a))
+        edges = _edges(levels)
+        pa, pb = _phi_and_t_phi(edges[:-1])[0], _phi_and_t_phi(edges[1:])[0]
+        levels = (pa - pb) / (_cdf(edges[1:]) - _cdf(edges[:-1]))
     return levels
+
+
+def _uniform_levels(n, step):
+    return (np.arange(n) + 0.5 - n / 2) * step
 
 
 def _uniform_step(n):
     """The MSE-optimal step of an n-level mid-rise uniform quantizer of N(0, 1) (golden-section search)."""
-    def mse(step):
-        levels = (np.arange(n) + 0.5 - n / 2) * step
-        edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
-        return _gaussian_cell_mse(edges, levels)
-
     lo, hi = 1e-3, 4.0
     g = (math.sqrt(5) - 1) / 2
     for _ in range(100):
         c, d = hi - g * (hi - lo), lo + g * (hi - lo)
-        lo, hi = (lo, d) if mse(c) < mse(d) else (c, hi)
+        lo, hi = (lo, d) if _gaussian_cell_mse(_uniform_levels(n, c)) < _gaussian_cell_mse(_uniform_levels(n, d)) else (c, hi)
     return (lo + hi) / 2
 
 
@@ -156,12 +165,16 @@ def _uniform_step(n):
 # rotated block approaches; 0.1175 for 2-bit Lloyd-Max).
 UNIFORM_STEP = {b: _uniform_step(2**b) for b in FORMAT_BITS["uniform"]}
 LLOYD_LEVELS = {b: _lloyd_max(2**b) for b in FORMAT_BITS["lloyd"]}
-GAUSSIAN_MSE = {}
-for _b, _step in UNIFORM_STEP.items():
-    _lv = (np.arange(2**_b) + 0.5 - 2 ** (_b - 1)) * _step
-    GAUSSIAN_MSE[("uniform", _b)] = _gaussian_cell_mse(np.concatenate([[-np.inf], (_lv[1:] + _lv[:-1]) / 2, [np.inf]]), _lv)
-for _b, _lv in LLOYD_LEVELS.items():
-    GAUSSIAN_MSE[("lloyd", _b)] = _gaussian_cell_mse(np.concatenate([[-np.inf], (_lv[1:] + _lv[:-1]) / 2, [np.inf]]), _lv)
+GAUSSIAN_MSE = {("uniform", b): _gaussian_cell_mse(_uniform_levels(2**b, s)) for b, s in UNIFORM_STEP.items()}
+GAUSSIAN_MSE.update({("lloyd", b): _gaussian_cell_mse(lv) for b, lv in LLOYD_LEVELS.items()})
+
+
+def _check_rounding_format(format):
+    if format not in ROUNDING_FORMATS:
+        raise ValueError(
+            f"stochastic rounding needs a grid that covers the block ({ROUNDING_FORMATS}); format={format!r} clips "
+            "and cannot round without bias. Use format='int' or switch stochastic rounding off."
+        )
 
 
 def validate(bits, block_size=DEFAULT_BLOCK_SIZE, format="int", *, rotate=False, stochastic=False):
@@ -175,11 +188,8 @@ def validate(bits, block_size=DEFAULT_BLOCK_SIZE, format="int", *, rotate=False,
         raise ValueError(
             f"format={format!r} supports bits in {FORMAT_BITS[format]}, not bits={bits!r}; at {bits} bits use one of {others}."
         )
-    if stochastic and format not in ROUNDING_FORMATS:
-        raise ValueError(
-            f"stochastic rounding needs a grid that covers the block ({ROUNDING_FORMATS}); format={format!r} clips "
-            "and cannot round without bias. Use format='int' or switch stochastic rounding off."
-        )
+    if stochastic:
+        _check_rounding_format(format)
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
         raise ValueError(f"block_size={block_size!r} must be a positive integer (a multiple of 8, e.g. 256).")
     if block_size % 8:
@@ -257,7 +267,7 @@ def quantize(x, bits, *, format="int", key=None):
 
     if format in ("uniform", "lloyd"):
         if noise is not None:
-            validate(bits, x.shape[-1] if x.shape[-1] % 8 == 0 else 8, format, stochastic=True)  # raises
+            _check_rounding_format(format)  # raises
         codes, scale = _quantize_fitted(x, absmax, bits, format)
     elif format == "e3m0":
         codes, scale = _quantize_e3m0(x, absmax, noise)
@@ -292,11 +302,8 @@ def _unit_levels(bits, format):
     return levels.astype(np.float32)
 
 
-def _thresholds(bits, format):
-    """Decision boundaries in units of the block's RMS (midpoints between Gaussian-fitted levels)."""
-    n = 2**bits
-    if format == "uniform":
-        return None
+def _lloyd_thresholds(bits):
+    """Decision boundaries in units of the block's RMS: midpoints between the Lloyd-Max levels."""
     levels = LLOYD_LEVELS[bits]
     return ((levels[1:] + levels[:-1]) / 2).astype(np.float32)
 
@@ -313,9 +320,8 @@ def _quantize_fitted(x, absmax, bits, format):
         codes = k.astype(jnp.uint8)
         level = (2.0 * k + (1 - n)) / (n - 1)
     else:
-        t = _thresholds(bits, format)
         k = jnp.zeros(y.shape, jnp.int32)
-        for edge in t:  # 2**b - 1 comparisons: 3 at 2 bits, 15 at 4
+        for edge in _lloyd_thresholds(bits):  # 2**b - 1 comparisons: 3 at 2 bits, 15 at 4
             k = k + (y > edge).astype(jnp.int32)
         codes = k.astype(jnp.uint8)
         level = jnp.asarray(_unit_levels(bits, format))[k]

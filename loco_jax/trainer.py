@@ -606,8 +606,8 @@ def _saved_config(workdir):
         return json.load(f)
 
 
-def _check_resume_config(workdir, cfg, log):
-    old = _saved_config(workdir)
+def _check_resume_config(workdir, cfg, old, log):
+    """``old``: the run's saved ``config.json`` (None for a fresh workdir)."""
     if old is None:
         return
     old = config_lib.with_reference_fields(old)  # an older run's unrecorded fields: the settings it ran with
@@ -638,8 +638,9 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=_emit, stop_aft
     """
     config_lib.validate(cfg)
     os.makedirs(workdir, exist_ok=True)
-    cfg = config_lib.resolve(cfg, _saved_config(workdir))  # None settings: the run's own, else the library's
-    _check_resume_config(workdir, cfg, log)
+    saved = _saved_config(workdir)
+    cfg = config_lib.resolve(cfg, saved)  # None settings: the run's own, else the library's
+    _check_resume_config(workdir, cfg, saved, log)
     trainer = Trainer(cfg, workdir, log)
     trainer.dataset  # load (or download) the data before anything compiles
     is_main = jax.process_index() == 0

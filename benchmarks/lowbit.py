@@ -3,6 +3,7 @@
     python benchmarks/lowbit.py --list              # every cell and its train.py command line
     python benchmarks/lowbit.py --group select      # seed 0: the candidates the defaults are chosen from
     python benchmarks/lowbit.py --group final       # seeds 1-3: full precision, the defaults, naive
+    python benchmarks/lowbit.py --group noise       # seeds 1-3: 8-bit, the paired gap's noise floor
     python benchmarks/lowbit.py --group diloco      # Streaming DiLoCo's 2- and 1-bit outer exchange
     python benchmarks/lowbit.py --report            # tables and plots from the finished cells
 
@@ -65,6 +66,8 @@ SELECT = [
     ("sel4_lloydrot_ef", 4, "lloyd", True, "ef"),
     ("sel4_lloydrot_loco", 4, "lloyd", True, "loco"),
     ("sel4_introt_loco", 4, "int", True, "loco"),
+    ("sel4_lloydrot_ef+2", 4, "lloyd", True, "ef+2"),
+    ("sel4_lloydrot_loco+2", 4, "lloyd", True, "loco+2"),
     ("sel2_uniformrot_loco", 2, "uniform", True, "loco"),
 ]
 
@@ -118,6 +121,8 @@ def cells() -> dict[str, tuple[str, list[str]]]:
             out[f"default{b}_s{s}"] = ("final", _seed(s) + [f"loco.bits={b}"])
             if s == FINAL_SEEDS[0]:  # one seed: what compensation alone buys (or costs) in the default's format
                 out[f"flipped{b}_s{s}"] = ("final", _seed(s) + [f"loco.bits={b}"] + _flipped(b))
+        # the noise floor of a paired gap: 8-bit int absmax (within rounding of fp32 in one step) on the same seeds
+        out[f"int8_s{s}"] = ("noise", _seed(s) + ["loco.bits=8"])
     for m in (2, 4):
         out[f"m{m}_stream_fp32"] = ("diloco", _seed(0) + _stream(m))
     for name, bits, fmt, rot, comp in DILOCO_SELECT:  # M = 2: the candidates diloco.MEASURED is chosen from
@@ -266,7 +271,7 @@ def report(no_write, extra_args):
 
 
 def main():
-    quality.cli(__doc__, ("select", "final", "diloco"), cells(), report)
+    quality.cli(__doc__, ("select", "final", "noise", "diloco"), cells(), report)
 
 
 if __name__ == "__main__":

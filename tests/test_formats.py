@@ -85,6 +85,20 @@ def test_rotation_is_the_randomized_hadamard_transform(block):
     assert not np.allclose(other, got), "another seed is another rotation"
 
 
+@pytest.mark.parametrize("block", [2, 8, 128, 256])
+def test_radix4_transform_is_bit_identical_to_radix2_butterflies(block):
+    """The radix-4 passes add in the order of two radix-2 stages: the same float32 bits as the textbook butterfly."""
+    x = (gaussian((3, 2 * block), seed=block) * 1e3).astype(np.float32)
+    y = x.reshape(-1, block).copy()
+    h = 1
+    while h < block:  # radix-2 float32 butterflies in NumPy
+        y = y.reshape(-1, block // (2 * h), 2, h)
+        y = np.stack([y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]], axis=2)
+        h *= 2
+    want = y.reshape(x.shape) * np.float32(1.0 / np.sqrt(block))
+    np.testing.assert_array_equal(np.asarray(quant._hadamard(jnp.asarray(x), block)), want)
+
+
 def test_rotation_keeps_a_nan_inside_its_block():
     x = gaussian((1, 1024), seed=0)
     x[0, 300] = np.nan

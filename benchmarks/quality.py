@@ -120,7 +120,19 @@ def _resolved_key(overrides) -> str:  # the reports ask for every cell's directo
     from loco_jax import config as config_lib
 
     cfg = config_lib.resolve(config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), BASE + list(overrides)))
-    return hashlib.sha256(json.dumps(config_lib.to_dict(cfg), sort_keys=True).encode()).hexdigest()[:8]
+    d = config_lib.to_dict(cfg)
+    for dotted, value in _UNKEYED.items():  # fields that leave the training numbers as they were
+        *parents, leaf = dotted.split(".")
+        node = functools.reduce(lambda n, k: n[k], parents, d)
+        if value is _ANY or node.get(leaf) == value:
+            node.pop(leaf, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
+
+
+_ANY = object()
+# Config fields added after cells were run, at the values that reproduce those runs, and fields that only
+# shape the output: left out of the key, so adding them does not orphan finished cells.
+_UNKEYED = {"sample_tokens": _ANY, "data.sp_model": None, "data.require_path": None}
 
 
 def cell_dir(name, overrides=None) -> str:

@@ -60,9 +60,17 @@ Two ways to run it:
   where overlap does not matter.
 
 Non-finite values: one finite flag over the step's gradients and the
-exchanged outer gradient, reduced over every mesh axis; when false the whole
-step is skipped on every device (updates zero, state unchanged, ``skipped``
-incremented, ``step`` not advanced: pass ``phase(state.step + 1)`` next).
+exchanged outer gradient, reduced over every mesh axis; when false the step
+is skipped on every device: updates zero, nothing applied, ``skipped``
+incremented. The schedule is a clock: ``step`` advances on a skipped step
+too, so the phase of step ``t`` is always ``phase(t)`` and a training loop
+can pick it from its own step count without reading the device. A fragment
+whose exchange falls on a skipped step sits out that round: with
+``overlap >= 1`` the in-flight slot is marked empty (NaN) and the scheduled
+apply leaves that fragment's global parameters, outer state and local
+parameters as they are (the rest of that step runs normally); a skipped apply
+step drops the mean it would have applied. The fragment syncs again ``H``
+steps later.
 
 State layout (:func:`state_specs`): the inner state and the local
 parameters differ per replica, global parameters and outer states are
@@ -387,12 +395,19 @@ def diloco(
             mean_delta = _gather_slices(mean_slice, sizes[p], d)
             global_pieces = plan.select(global_params, p)
             delta_pieces = _split(mean_delta, global_pieces)
-            outer_updates, outer_states[p] = outer.update(delta_pieces, outer_states[p], global_pieces)
+            outer_updates, new_outer = outer.update(delta_pieces, outer_states[p], global_pieces)
             merged = optax.apply_updates(global_pieces, outer_updates)
             merged_flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in merged])
-            global_params = plan.insert(global_params, p, merged_flat)
             local_flat = plan.extract(local, p)
-            local = plan.insert(local, p, alpha * local_flat + (1.0 - alpha) * merged_flat)
+            mixed = alpha * local_flat + (1.0 - alpha) * merged_flat
+            if mean_now is None:  # from the in-flight slot: empty (NaN) when its send step was skipped
+                full = global_all_finite(mean_slice)
+                merged_flat = jnp.where(full, merged_flat, plan.extract(global_params, p))
+                mixed = jnp.where(full, mixed, local_flat)
+                new_outer = jax.tree.map(lambda n, o: jnp.where(full, n, o), new_outer, outer_states[p])
+            outer_states[p] = new_outer
+            global_params = plan.insert(global_params, p, merged_flat)
+            local = plan.insert(local, p, mixed)
 
         ok = global_all_finite((grads, exchanged))
         updates = jax.tree.map(lambda new, old: jnp.where(ok, new - old, jnp.zeros_like(old)), local, params)
@@ -401,7 +416,9 @@ def diloco(
             inflight, tuple(error), tuple(error_scale),
         )
         new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), candidate, state)
-        return updates, new_state._replace(skipped=state.skipped + (~ok).astype(jnp.int32))
+        if ph.send is not None and ph.apply != ph.send:  # a skipped send leaves the in-flight slot empty
+            new_state = new_state._replace(inflight=jnp.where(ok, inflight, jnp.full_like(inflight, jnp.nan)))
+        return updates, new_state._replace(step=state.step + 1, skipped=state.skipped + (~ok).astype(jnp.int32))
 
     def update_fn(grads, state, params=None, phase=None, **extra):
         if params is None:

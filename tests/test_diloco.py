@@ -395,8 +395,8 @@ def test_nonfinite_gradient_skips_the_step_everywhere(mesh):
     run.step(2, x, ys[1])
     after = jax.tree.map(np.asarray, run.state)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, run.params), before_params)
-    assert int(after.skipped) == 1 and int(after.step) == 1
-    chex.assert_trees_all_equal(after._replace(skipped=before_state.skipped), before_state)
+    assert int(after.skipped) == 1 and int(after.step) == 2  # the schedule is a clock: a skipped step counts
+    chex.assert_trees_all_equal(after._replace(skipped=before_state.skipped, step=before_state.step), before_state)
 
 
 @pytest.mark.parametrize(
@@ -430,25 +430,33 @@ def test_bad_labels_and_unbound_axis_raise(mesh):
         diloco.state_specs(tx, put(mesh, replicate(params), P("replica")), mesh)
 
 
-def test_skipped_send_step_with_overlap2_equals_the_run_without_that_batch(mesh):
-    """A non-finite step never applies a stale in-flight buffer when the phase follows state.step."""
+def test_skipped_send_step_with_overlap2_leaves_that_fragment_out_of_the_round(mesh):
+    """The phase of step t is phase(t), skipped steps included; a fragment whose send was skipped sits out."""
     make = lambda: diloco.diloco(inner_adamw(), sync_every=9, num_fragments=3, overlap=2, alpha=0.5, bits=4)
     skipped, clean = Run(mesh, make()), Run(mesh, make())
-    steps = 22
-    xs, ys = make_data(steps + 1)
+    xs, ys = make_data(22)
     bad = 13  # fragment 1 (offset 3) is due after step 12: step 13 sends it, step 14 applies it
-    assert skipped.tx.phase(bad) == diloco.Phase(1, None)
-    for i in range(steps + 1):
-        x = xs[i].copy()
-        if i == bad - 1:
+    assert skipped.tx.phase(bad) == diloco.Phase(1, None) and skipped.tx.phase(14) == diloco.Phase(None, 1)
+    host = lambda tree: jax.tree.map(np.asarray, tree)
+    for t in range(1, 23):
+        x = xs[t - 1].copy()
+        if t == bad:
             x[3, 0] = np.nan  # one device's batch
-        skipped.step(int(skipped.state.step) + 1, x, ys[i])
-        if i != bad - 1:
-            clean.step(int(clean.state.step) + 1, xs[i], ys[i])
-    assert int(skipped.state.skipped) == 1 and int(skipped.state.step) == int(clean.state.step) == steps
-    chex.assert_trees_all_equal(jax.tree.map(np.asarray, skipped.params), jax.tree.map(np.asarray, clean.params))
-    chex.assert_trees_all_equal(jax.tree.map(np.asarray, skipped.state.global_params),
-                                jax.tree.map(np.asarray, clean.state.global_params))
+        skipped.step(t, x, ys[t - 1])
+        clean.step(t, xs[t - 1], ys[t - 1])
+        assert int(skipped.state.step) == t  # host count and device count never disagree
+        if t == bad - 1:
+            before = host(skipped.state.global_params)
+        if t == bad:
+            assert np.all(np.isnan(np.asarray(skipped.state.inflight))), "a skipped send leaves the slot empty"
+        if t == 14:  # only fragment 1 was due between steps 13 and 14, and it sat out
+            chex.assert_trees_all_equal(host(skipped.state.global_params), before)
+            assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(host(clean.state.global_params)),
+                                                                jax.tree.leaves(before)))
+    assert int(skipped.state.skipped) == 1
+    for leaf in jax.tree.leaves(host((skipped.params, skipped.state.global_params, skipped.state.outer))):
+        assert np.all(np.isfinite(leaf))
+    assert int(skipped.state.step) == int(clean.state.step) == 22
 
 
 @pytest.mark.parametrize("bits,fmt", [(2, "lloyd"), (1, "int")])

@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from loco_jax import diloco, trainer
+from loco_jax.training import checkpoints
 from tests.test_trainer import ROOT, quiet, small_config, text_file, write_config_file  # noqa: F401
 
 STOP = 6  # fragment 0 syncs after step 6 and is applied in step 7's program (tau = 1): nothing in flight at 6
@@ -126,7 +127,7 @@ def test_in_flight_exchange_is_completed_on_another_mesh(text_file, tmp_path):  
 
     host = lambda s: [np.asarray(x) for x in jax.tree.leaves(diloco.global_params(s.opt_state))]
     manager = ocp.CheckpointManager(os.path.join(src, "checkpoints"))
-    at7, _ = trainer._restore(manager, 7, t7)
+    at7, _ = checkpoints.restore(manager, 7, t7)
     changed = [not np.array_equal(a, b) for a, b in zip(host(same["state"]), host(at7))]
     assert any(changed), "step 8 applies fragment 0's outer update"
     for a, b in zip(host(moved["state"]), host(same["state"])):
@@ -178,7 +179,7 @@ def test_checkpoint_that_does_not_fit_on_its_own_mesh_is_refused_by_name(first_h
     # e.g. a checkpoint from a version with another state layout: named before orbax sees a mismatched target
     src, cfg, before = first_half
     workdir = _copy(src, str(tmp_path / "run"))
-    real = trainer._saved_leaves
+    real = checkpoints._saved_leaves
 
     def older_layout(manager, step, item):
         leaves = real(manager, step, item)
@@ -186,7 +187,7 @@ def test_checkpoint_that_does_not_fit_on_its_own_mesh_is_refused_by_name(first_h
             leaves[trainer.INFLIGHT] = jax.ShapeDtypeStruct((17408,), np.float32)
         return leaves
 
-    monkeypatch.setattr(trainer, "_saved_leaves", older_layout)
+    monkeypatch.setattr(checkpoints, "_saved_leaves", older_layout)
     with pytest.raises(ValueError, match=r"another version of loco-jax: its state leaf '.opt_state.inflight' is "
                                          r"shape \(17408,\) where .* needs shape \(4,\). Start a new --workdir"):
         trainer.train_and_evaluate(cfg, workdir, log=quiet)

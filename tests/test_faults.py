@@ -11,9 +11,12 @@ Three faults, each at one step of a real run (Streaming DiLoCo 2 x 4 with LoCo
   sees are NaN on that replica; its inner gradient stays finite).
 
 In every case the step is skipped on every device with a logged warning and a
-count in the metrics, nothing in the state (error buffers, global parameters,
-outer momentum, Adam moments) is poisoned, and the run ends bit-identical to a
-run in which that batch never came.
+count in the metrics, and nothing in the state (error buffers, global
+parameters, outer momentum, Adam moments) is poisoned. Data parallel ends
+bit-identical to a run in which that batch never came. Streaming DiLoCo's
+schedule is a clock (the skipped step counts, so the loop picks each step's
+phase without reading the device): the fragment whose exchange fell on the
+skipped step sits out that round, and everything else goes on as scheduled.
 """
 
 import jax
@@ -24,7 +27,8 @@ import pytest
 from jax import lax
 
 from loco_jax import model as model_lib
-from loco_jax import specs, trainer
+from loco_jax import diloco, specs, trainer
+from loco_jax.training import steps
 from tests.test_trainer import small_config, text_file  # noqa: F401  (text_file: a fixture)
 
 BAD_STEP = 9  # Streaming DiLoCo (H 6, P 3, tau 1) sends fragment 1 at step 9: an exchange step
@@ -106,7 +110,7 @@ def _run(monkeypatch, cfg, workdir, *, corrupt=None, drop=False, stop_after=None
     original = trainer.Dataset.train_iterator
     monkeypatch.setattr(trainer.Dataset, "train_iterator",
                         lambda self, seed, state=None: _Batches(original(self, seed, state), BAD_STEP, corrupt, drop))
-    monkeypatch.setattr(trainer, "train_step", _poisoning_train_step)
+    monkeypatch.setattr(steps, "train_step", _poisoning_train_step)
     logs = []
     summary = trainer.train_and_evaluate(cfg, str(workdir), log=logs.append, stop_after=stop_after)
     monkeypatch.undo()
@@ -125,28 +129,36 @@ def _assert_finite(tree):
 
 @pytest.fixture(scope="module")
 def clean_reference(text_file, tmp_path_factory):  # noqa: F811
-    """The same run without the batch of BAD_STEP: stops one step short of the faulty runs (same schedule)."""
+    """The same run with no fault, and the initial global parameters."""
     monkeypatch = pytest.MonkeyPatch()
     cfg = small_config(text_file)
-    summary, _ = _run(monkeypatch, cfg, tmp_path_factory.mktemp("clean"), drop=True, stop_after=cfg.steps - 1)
-    return summary
+    summary, _ = _run(monkeypatch, cfg, tmp_path_factory.mktemp("clean"))
+    t = trainer.Trainer(cfg, str(tmp_path_factory.mktemp("init")))
+    return summary, _host(diloco.global_params(t.init_state().opt_state)), t.tx.plan(model_lib.abstract_params(t.mcfg))
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_poisoned_step_is_skipped_everywhere_and_the_run_equals_one_without_it(
+def test_poisoned_exchange_step_is_skipped_everywhere_and_its_fragment_sits_out(
         fault, text_file, clean_reference, monkeypatch, tmp_path):  # noqa: F811
+    """DiLoCo's schedule is a clock: the skipped step counts, fragment 1 (sent at step 9) misses its round."""
     cfg = small_config(text_file)
     summary, logs = _run(monkeypatch, cfg, tmp_path, corrupt=FAULTS[fault])
     state = summary["state"]
-    assert int(state.opt_state.skipped) == 1 and int(state.opt_state.step) == cfg.steps - 1
+    assert int(state.opt_state.skipped) == 1 and int(state.opt_state.step) == cfg.steps
     assert any(f"step {BAD_STEP} had non-finite values and was skipped on every device" in line for line in logs), logs
     rows = trainer.read_metrics(str(tmp_path))
     assert [r["skipped_steps"] for r in rows if "skipped_steps" in r][-1] == 1
     _assert_finite(state)  # error buffers, global params, outer momentum, Adam moments, in-flight buffer
-    ref = clean_reference["state"]
-    assert_equal = lambda a, b: jax.tree.map(np.testing.assert_array_equal, _host(a), _host(b))
-    assert_equal(state.params, ref.params)
-    assert_equal(state.opt_state._replace(skipped=ref.opt_state.skipped), ref.opt_state)
+    clean, initial, plan = clean_reference
+    fragment = lambda tree, p: np.asarray(plan.extract(tree, p))
+    faulty_global, clean_global = _host(diloco.global_params(state.opt_state)), _host(
+        diloco.global_params(clean["state"].opt_state))
+    # fragment 1's only exchange of the run fell on the skipped step: its global parameters never moved
+    np.testing.assert_array_equal(fragment(faulty_global, 1), fragment(initial, 1))
+    assert not np.array_equal(fragment(clean_global, 1), fragment(initial, 1)), "the clean run synced fragment 1"
+    # fragment 0 synced at step 7, before the fault, and not again: the same as in the clean run
+    np.testing.assert_array_equal(fragment(faulty_global, 0), fragment(clean_global, 0))
+    assert not np.array_equal(fragment(faulty_global, 0), fragment(initial, 0))
     assert np.isfinite(summary["eval_loss"])
 
 

@@ -34,3 +34,29 @@ def test_ci_runs_the_readme_test_command():
     commands = [line.strip() for line in README.splitlines() if line.startswith("    python3 -m venv")]
     assert len(commands) == 2, commands
     assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_library_imports_nothing_of_the_training_application():
+    import subprocess
+    import sys
+
+    library = ["quant", "collectives", "loco", "diloco", "fragments", "specs", "hlo"]
+    code = ("import sys; import " + ", ".join(f"loco_jax.{m}" for m in library)
+            + "; print(sorted(m for m in sys.modules if m.startswith('loco_jax.training')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_layout_section_names_every_module_and_old_paths_still_import():
+    import importlib
+
+    layout = README[README.index("## Layout"):]
+    for path in sorted((ROOT / "loco_jax" / "training").glob("*.py")):
+        if path.name != "__init__.py":
+            assert f"  {path.name}" in layout, f"README's layout misses loco_jax/training/{path.name}"
+    for old in ("config", "mesh", "model", "data"):
+        assert importlib.import_module(f"loco_jax.{old}") is importlib.import_module(f"loco_jax.training.{old}")
+    from loco_jax import trainer
+    from loco_jax.config import Config  # noqa: F401  (the path users' config files use)
+
+    assert trainer.train_and_evaluate.__module__ == "loco_jax.training.loop"

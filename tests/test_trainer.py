@@ -16,6 +16,7 @@ import pytest
 
 from loco_jax import config as config_lib
 from loco_jax import trainer
+from loco_jax.training import checkpoints, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +38,7 @@ def text_file(tmp_path_factory):
 
 def small_config(text_file, **overrides):
     cfg = config_lib.Config(steps=12, batch_size=16, seq_len=32, eval_every=6, eval_batches=1, log_every=2,
-                            checkpoint_every=6)
+                            checkpoint_every=6, sample_tokens=0)
     m = cfg.model
     m.d_model, m.num_layers, m.num_heads, m.d_ff, m.max_seq_len, m.compute_dtype = 32, 2, 2, 96, 32, "float32"
     cfg.optim.warmup_steps = 2
@@ -65,9 +66,9 @@ def quiet(*_):
 @pytest.fixture(scope="module")
 def straight_run(text_file, tmp_path_factory):
     """12 steps in one go: the reference for resume, and the end-to-end checks."""
-    workdir = str(tmp_path_factory.mktemp("straight"))
-    summary = trainer.train_and_evaluate(small_config(text_file), workdir, log=quiet)
-    return workdir, summary
+    workdir, logs = str(tmp_path_factory.mktemp("straight")), []
+    summary = trainer.train_and_evaluate(small_config(text_file, sample_tokens=16), workdir, log=logs.append)
+    return workdir, dict(summary, logs=logs)
 
 
 def test_tiny_run_learns_and_fills_the_workdir(straight_run):
@@ -87,6 +88,8 @@ def test_tiny_run_learns_and_fills_the_workdir(straight_run):
     assert len(programs) == 4  # the plain step and one program per fragment's exchange
     syncing = [v for k, v in programs.items() if "None" not in k]
     assert all(v["cross_replica_per_replica"] > 0 for v in syncing)
+    block = summary["logs"][-1].splitlines()  # text from the global parameters closes the run
+    assert block[0].startswith("samples (step 12") and len(block) == 4 and all(" -> " in line for line in block[1:])
 
 
 def test_resume_is_bit_identical_and_logs_no_step_twice(text_file, straight_run, tmp_path):
@@ -239,9 +242,9 @@ def test_sigkill_at_random_points_then_rerun_matches_an_uninterrupted_run(text_f
     assert got == want, "every step logged once, with the uninterrupted run's numbers"
     t = trainer.Trainer(cfg, workdir, log=quiet)
     t.init_state()  # sets the specs the restore needs
-    manager = trainer._checkpoint_manager(workdir, cfg.keep_checkpoints)
+    manager = checkpoints.checkpoint_manager(workdir, cfg.keep_checkpoints)
     assert manager.latest_step() == 12
-    final, _ = trainer._restore(manager, 12, t)
+    final, _ = checkpoints.restore(manager, 12, t)
     manager.close()
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, final), jax.tree.map(np.asarray, straight_run[1]["state"]))
 
@@ -249,20 +252,20 @@ def test_sigkill_at_random_points_then_rerun_matches_an_uninterrupted_run(text_f
 def test_replica_check_is_exact_for_any_replica_count(text_file, tmp_path):
     """Eight identical replicas pass (a pmean-based check would see rounding and refuse)."""
     t = trainer.Trainer(small_config(text_file, **{"mesh.replicas": 8}), str(tmp_path), log=quiet)
-    trainer._check_replicas_identical(t, t.init_state(), resumed=False)
+    loop._check_replicas_identical(t, t.init_state(), resumed=False)
 
 
 def test_replicas_that_differ_are_refused(text_file, tmp_path):
     t = trainer.Trainer(small_config(text_file), str(tmp_path), log=quiet)
     state = t.init_state()
-    trainer._check_replicas_identical(t, state, resumed=False)  # identical: passes
+    loop._check_replicas_identical(t, state, resumed=False)  # identical: passes
     head = state.params["lm_head"]["kernel"]
     values = np.asarray(head).copy()
     values[values.shape[0] // 2 :] += 1e-3  # replica 1's block only
     bumped = jax.device_put(values, head.sharding)
     state = state._replace(params=dict(state.params, lm_head={"kernel": bumped}))
     with pytest.raises(RuntimeError, match="replicas hold different initial parameters"):
-        trainer._check_replicas_identical(t, state, resumed=False)
+        loop._check_replicas_identical(t, state, resumed=False)
 
 
 @pytest.mark.parametrize("bits", [None, 4], ids=["fp32", "loco4"])

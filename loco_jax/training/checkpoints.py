@@ -1,0 +1,245 @@
+"""Orbax checkpoints of the train state, split into global, per-replica and per-device items, and the
+elastic restore onto another ``(replica, data)`` mesh.
+
+Layout: ``<workdir>/checkpoints/<step>/{global,replica,device,meta}``. A leaf's item follows its
+``PartitionSpec`` (``P()``: global; ``P("replica")``: one block per replica; anything over ``data``: per
+device). ``meta`` holds the step, the data position, the bytes sent and the mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import diloco
+from loco_jax.training import config as config_lib
+from loco_jax.training import model as model_lib
+from loco_jax.training.steps import TrainState
+
+
+def _kind(spec):
+    """'global', 'replica' or 'device' from a leaf's PartitionSpec."""
+    if spec == P():
+        return "global"
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    return "replica" if axes == ("replica",) else "device"
+
+
+def split_by_kind(tree, specs):
+    """{'global'|'replica'|'device': {path: leaf}}: the checkpoint layout."""
+    out = {"global": {}, "replica": {}, "device": {}}
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for (path, leaf), spec in zip(leaves, spec_leaves):
+        out[_kind(spec)][jax.tree_util.keystr(path)] = leaf
+    return out
+
+
+def join_by_kind(parts, like):
+    """Inverse of :func:`split_by_kind` onto the structure of ``like``."""
+    merged = {k: v for part in parts.values() for k, v in part.items()}
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+    return jax.tree.unflatten(jax.tree.structure(like), [merged[p] for p in paths])
+
+
+
+
+def checkpoint_manager(workdir, keep):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options)
+
+
+def save(manager, step, trainer, state, extra):
+    import orbax.checkpoint as ocp
+
+    parts = split_by_kind(state, trainer.specs)
+    args = {k: ocp.args.StandardSave(v) for k, v in parts.items() if v}
+    args["meta"] = ocp.args.JsonSave(extra)
+    manager.save(step, args=ocp.args.Composite(**args))
+    manager.wait_until_finished()
+
+
+def restore(manager, step, trainer, mesh_recorded=True):
+    """The state and meta of a checkpoint written on this mesh, restored into abstract shapes (the fresh
+    state is never allocated beside it). Saved shapes are checked first (:func:`_check_saved_shapes`)."""
+    import orbax.checkpoint as ocp
+
+    like = trainer.abstract_state()
+    parts = split_by_kind(like, trainer.specs)
+    _check_saved_shapes(manager, step, parts, trainer, mesh_recorded)
+    args = {k: ocp.args.StandardRestore(v) for k, v in parts.items() if v}
+    args["meta"] = ocp.args.JsonRestore()
+    restored = manager.restore(step, args=ocp.args.Composite(**args))
+    loaded = {k: restored[k] for k in parts if parts[k]}
+    for k in parts:
+        loaded.setdefault(k, {})
+    return join_by_kind(loaded, like), restored["meta"]
+
+
+def read_meta(manager, step):
+    import orbax.checkpoint as ocp
+
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+INFLIGHT = ".opt_state.inflight"  # checkpoint key of DiLoCoState.inflight (TrainState.opt_state is the DiLoCo state)
+
+
+def _item_path(manager, step, item):
+    return os.path.join(str(manager.directory), str(step), item)
+
+
+def _saved_leaves(manager, step, item):
+    """{path: metadata with .shape and .dtype} of one checkpoint item, read without loading any array."""
+    import orbax.checkpoint as ocp
+
+    path = _item_path(manager, step, item)
+    if not os.path.isdir(path):
+        return {}
+    saved = ocp.PyTreeCheckpointer().metadata(path).item_metadata
+    return dict(getattr(saved, "tree", saved))
+
+
+def _read_leaf(manager, step, item, key):
+    """A host copy of one leaf of a checkpoint item, at its saved shape (a partial restore)."""
+    import orbax.checkpoint as ocp
+
+    saved = _saved_leaves(manager, step, item)[key]
+    args = ocp.args.PyTreeRestore(item={key: np.zeros(saved.shape, saved.dtype)},
+                                  restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray)}, partial_restore=True)
+    return ocp.PyTreeCheckpointer().restore(_item_path(manager, step, item), args=args)[key]
+
+
+def _check_saved_shapes(manager, step, parts, trainer, mesh_recorded):
+    """Refuses a checkpoint whose arrays do not fit ``parts`` (this run's state by kind), before any restore.
+
+    Checkpoints record the mesh they were written on, and a different mesh is an elastic restart; on the
+    same mesh every leaf must fit exactly. A checkpoint without that record (written before it existed)
+    can only be resumed on the mesh it was written on.
+    """
+    for kind, leaves in parts.items():
+        saved = _saved_leaves(manager, step, kind)
+        for key, want in leaves.items():
+            have = saved.get(key)
+            if have is None or tuple(have.shape) != tuple(want.shape):
+                found = "missing" if have is None else f"shape {tuple(have.shape)}"
+                why, fix = (("was written by another version of loco-jax", "Start a new --workdir")
+                            if mesh_recorded else
+                            ("does not record the mesh it was written on", "Resume it on the mesh it was written on"))
+                raise ValueError(
+                    f"the checkpoint at step {step} {why}: its state leaf {key!r} is {found} where this run "
+                    f"(mesh replica={trainer.m}, data={trainer.d}) needs shape {tuple(want.shape)}. {fix}."
+                )
+
+
+def _in_flight(trainer, diloco_step):
+    """(fragment, steps left) of an exchange sent but not yet applied after DiLoCo step ``diloco_step``, or None."""
+    for j in range(1, trainer.cfg.diloco.overlap):
+        ph = trainer.tx.phase(diloco_step + j)
+        if ph.apply is not None and ph.apply != ph.send:
+            return ph.apply, j
+    return None
+
+
+def restore_elastic(manager, step, trainer, saved_mesh, log):
+    """Restores a checkpoint written on another (replica, data) mesh: an elastic restart.
+
+    The rule: global parameters, outer optimizer states and every step count
+    carry over (they are the same on every device); each replica's local
+    parameters start from the global ones; its inner optimizer state is
+    replica 0's (``elastic_inner_state="copy"``) or fresh moments with the step
+    counts kept (``"reset"``); LoCo's and the outer exchange's error buffers
+    (per device) restart at zero. An in-flight exchange (overlap >= 2, a
+    checkpoint between a fragment's send and its apply) is completed: the old
+    replicas' mean outer gradient is already in the checkpoint (identical on
+    every replica), so it is re-cut into the new data devices' slices
+    (``tx.relayout_inflight``) and applied at its scheduled step, exactly as
+    the old mesh would have applied it. The data position is global (sample
+    index), so it is kept.
+    """
+    import orbax.checkpoint as ocp
+
+    m_old, d_old = saved_mesh["replica"], saved_mesh["data"]
+    cfg, mesh = trainer.cfg, trainer.mesh
+    like = trainer.abstract_state()
+    parts = split_by_kind(like, trainer.specs)
+    old_shape = lambda a: (a.shape[0] // trainer.m * m_old,) + tuple(a.shape[1:])
+    args = {"meta": ocp.args.JsonRestore()}
+    if parts["global"]:
+        args["global"] = ocp.args.StandardRestore(parts["global"])
+    if parts["replica"]:  # host copies of the old layout: replica 0's block is read from them
+        args["replica"] = ocp.args.StandardRestore({k: np.zeros(old_shape(a), a.dtype) for k, a in parts["replica"].items()})
+    restored = manager.restore(step, args=ocp.args.Composite(**args))
+    meta = restored["meta"]
+    fresh_parts = split_by_kind(trainer.init_state(), trainer.specs)  # zero error buffers, fresh moments
+    device = dict(fresh_parts["device"])
+    flight = _in_flight(trainer, int(restored["global"][".opt_state.step"])) if cfg.diloco.enabled else None
+    if flight is not None:
+        saved = _read_leaf(manager, step, "device", INFLIGHT)
+        moved = trainer.tx.relayout_inflight(saved, model_lib.abstract_params(trainer.mcfg), flight[0],
+                                             (m_old, d_old), (trainer.m, trainer.d))
+        device[INFLIGHT] = jax.make_array_from_callback(moved.shape, device[INFLIGHT].sharding, lambda idx: moved[idx])
+    replica = {}
+    for key, old in restored.get("replica", {}).items():
+        fresh = fresh_parts["replica"][key]
+        if key.startswith(".params") or cfg.elastic_inner_state == "reset":
+            replica[key] = fresh  # params: replaced by the global ones below
+        else:
+            tiled = np.concatenate([np.asarray(old)[: old.shape[0] // m_old]] * trainer.m)  # replica 0's block
+            replica[key] = jax.make_array_from_callback(tiled.shape, fresh.sharding, lambda idx, t=tiled: t[idx])
+    state = join_by_kind({"global": restored.get("global", {}), "replica": replica, "device": device}, like)
+    if cfg.diloco.enabled:
+        tile = jax.jit(lambda g: jax.tree.map(lambda x: jnp.concatenate([x] * trainer.m), g),
+                       out_shardings=NamedSharding(mesh, trainer.param_spec))
+        state = TrainState(tile(diloco.global_params(state.opt_state)), state.opt_state)
+    inner = "copied from replica 0" if cfg.elastic_inner_state == "copy" else "reset (moments zero, step counts kept)"
+    log(f"elastic restart at step {step}: mesh (replica={m_old}, data={d_old}) -> (replica={trainer.m}, "
+        f"data={trainer.d}); global parameters, outer optimizer states and step counts carried over; local "
+        f"parameters start from the global ones; inner optimizer state {inner}; LoCo and outer error buffers "
+        "restart at zero; data position kept")
+    if flight is not None:
+        log(f"elastic restart: fragment {flight[0]}'s outer-gradient mean was in flight (sent by the old replicas); "
+            f"it is re-cut for the new mesh and applied in {flight[1]} step(s), as scheduled")
+    return state, meta
+
+
+def saved_config(workdir):
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_resume_config(workdir, cfg, old, log):
+    """``old``: the run's saved ``config.json`` (None for a fresh workdir)."""
+    if old is None:
+        return
+    old = config_lib.with_reference_fields(old)  # an older run's unrecorded fields: the settings it ran with
+    new = config_lib.to_dict(cfg)
+    changed = config_lib.changed_fields(old, new)
+    frozen = [k for k in changed if k.split(".")[0] in config_lib.FROZEN_ON_RESUME]
+    if frozen:
+        raise ValueError(
+            f"the run in {workdir!r} was started with a different configuration: {', '.join(frozen)} changed "
+            f"(e.g. {frozen[0]}: {_get(old, frozen[0])!r} -> {_get(new, frozen[0])!r}). These fields cannot change "
+            "on resume; use a new --workdir."
+        )
+    if "steps" in changed:
+        log(f"resume: steps changed {old['steps']} -> {new['steps']}; the learning-rate schedule (cosine decay to "
+            "the last step) changes with it")
+
+
+def _get(d, dotted):
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+

@@ -1,0 +1,325 @@
+"""Typed run configuration: nested dataclasses, ``configs/NAME.py`` files and ``--set key=value``.
+
+A config file defines ``get_config() -> Config``. ``--set`` takes dotted keys
+(``diloco.sync_every=50``); an unknown key or a value that does not parse as
+the field's type fails before anything compiles, and the message lists the
+valid keys. ``None`` is accepted where the field allows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import types
+import typing
+
+
+@dataclasses.dataclass
+class ModelFields:
+    """The transformer (see ``loco_jax.model.ModelConfig``)."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    d_ff: int = 384
+    max_seq_len: int = 128
+    tie_embeddings: bool = False
+    scan_layers: bool = False
+    remat: bool = False
+    compute_dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass
+class MeshFields:
+    replicas: int = 1
+    data: int | None = None  # None: every device the other axes leave
+
+
+@dataclasses.dataclass
+class DataFields:
+    path: str | None = None  # None: the Shakespeare corpus
+    tokenizer: str = "byte"  # "byte" or "sentencepiece"
+    sp_vocab_size: int = 1024
+    cache_dir: str | None = None
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class OptimFields:
+    """Inner AdamW with linear warm-up and cosine decay."""
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0
+
+
+@dataclasses.dataclass
+class LocoFields:
+    """``loco.compress`` on the ``data`` axis; ``bits=None`` is the exact fp32 mean.
+
+    ``format``, ``rotate``, ``beta``, ``compensate`` and ``compensate_second_stage`` left at None take
+    the library's measured default for these bits (``loco.MEASURED``; ``preset="reference"``: LoCo's
+    reference settings). ``config.json`` records what they resolved to.
+    """
+
+    bits: int | None = None
+    beta: float | None = None
+    compensate: bool | None = None
+    error_bits: int | None = 8
+    block_size: int = 256
+    reset_every: int | None = 1024
+    compensate_second_stage: bool | None = None
+    format: str | None = None
+    rotate: bool | None = None
+    preset: str = "measured"
+
+
+@dataclasses.dataclass
+class DilocoFields:
+    """``diloco.diloco`` on the ``replica`` axis; ``enabled=False`` is plain data parallel."""
+
+    enabled: bool = False
+    sync_every: int = 50
+    num_fragments: int = 1
+    overlap: int = 0
+    alpha: float = 0.0
+    bits: int | None = None
+    format: str | None = None  # None (and rotate, compensate): diloco.MEASURED's default for these bits
+    compensate: bool | None = None
+    rotate: bool | None = None
+    preset: str = "measured"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    mode: str = "all_gather"
+    block_size: int = 256  # values per scale in the outer-gradient payload
+
+
+@dataclasses.dataclass
+class Config:
+    steps: int = 200
+    seed: int = 0
+    batch_size: int = 32  # global: sequences per step over all devices
+    seq_len: int = 128
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 10
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    nonfinite: str = "skip"  # "skip" a step with NaN/Inf anywhere, or "stop" the run
+    # On a resume with another mesh (elastic restart): each replica's inner optimizer state is "copy"-ed
+    # from replica 0, or "reset" (moments zero; step counts, hence the schedules, kept).
+    elastic_inner_state: str = "copy"
+    sample_tokens: int = 64  # text generated from the global parameters at the end of a run, per prompt; 0: none
+    model: ModelFields = dataclasses.field(default_factory=ModelFields)
+    mesh: MeshFields = dataclasses.field(default_factory=MeshFields)
+    data: DataFields = dataclasses.field(default_factory=DataFields)
+    optim: OptimFields = dataclasses.field(default_factory=OptimFields)
+    loco: LocoFields = dataclasses.field(default_factory=LocoFields)
+    diloco: DilocoFields = dataclasses.field(default_factory=DilocoFields)
+
+
+# Fields whose change on resume would silently change the run: refused. The mesh may change: that is
+# an elastic restart (see trainer.restore_elastic).
+FROZEN_ON_RESUME = ("model", "optim", "loco", "diloco", "seed", "batch_size", "seq_len", "data")
+
+
+# Fields that None resolves per bit width from the library (see ``resolve``).
+RESOLVED_FIELDS = {
+    "loco": ("format", "rotate", "beta", "compensate", "compensate_second_stage"),
+    "diloco": ("format", "rotate", "compensate"),
+}
+
+
+def _library(section):
+    from loco_jax import diloco, loco  # the library; it imports nothing of the application
+
+    return {"loco": loco, "diloco": diloco}[section]
+
+
+def resolve(cfg: Config, saved: dict | None = None) -> Config:
+    """A copy of ``cfg`` with every None in :data:`RESOLVED_FIELDS` replaced by a concrete setting.
+
+    Fresh run (``saved`` None): the library's default for the section's bits and preset. Resume
+    (``saved`` = the run's ``config.json``): the value the run was started with, and for a field that an
+    older version did not record, the reference setting it then ran with (never a newer default).
+    """
+    cfg = from_dict(to_dict(cfg))
+    saved = None if saved is None else with_reference_fields(saved)
+    for section, names in RESOLVED_FIELDS.items():
+        node, lib = getattr(cfg, section), _library(section)
+        given = {}
+        for name in names:
+            value = getattr(node, name)
+            if value is None and saved is not None:
+                value = saved[section][name]
+            given[name] = value
+        for name, value in lib.settings(node.bits, node.preset, **given).items():
+            setattr(node, name, value)
+    return cfg
+
+
+def with_reference_fields(saved: dict) -> dict:
+    """A saved config dict with the fields an older version did not record set to what it ran with."""
+    saved = json.loads(json.dumps(saved))
+    for section, names in RESOLVED_FIELDS.items():
+        node = saved.setdefault(section, {})
+        node.setdefault("preset", "measured")
+        for name in names:
+            node.setdefault(name, _library(section).REFERENCE[name])
+    return saved
+
+
+def keys(cfg, prefix="") -> list[str]:
+    """Every dotted key of a config."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out += keys(value, prefix + f.name + ".")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _field_type(cfg, name):
+    hints = typing.get_type_hints(type(cfg))
+    return hints[name]
+
+
+def _parse(text: str, tp, key: str):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if text.strip().lower() == "none" and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _parse(text, inner[0], key)
+    if tp is bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise ValueError(f"--set {key}={text!r}: expected a bool (true/false).")
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"--set {key}={text!r}: expected an int.") from None
+    if tp is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"--set {key}={text!r}: expected a float.") from None
+    if tp is str:
+        return text
+    raise ValueError(f"--set {key}: fields of type {tp} cannot be set from the command line.")
+
+
+def override(cfg: Config, assignments) -> Config:
+    """A copy of ``cfg`` with ``key=value`` assignments applied (dotted keys)."""
+    cfg = from_dict(to_dict(cfg))
+    valid = keys(cfg)
+    for item in assignments:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected key=value.")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        if key not in valid:
+            raise ValueError(f"--set: unknown key {key!r}. Valid keys: {', '.join(valid)}.")
+        *path, name = key.split(".")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, name, _parse(value, _field_type(node, name), key))
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict, cls=Config):
+    """Builds a config from a (possibly partial) dict, checking keys."""
+    kwargs = {}
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k, v in d.items():
+        if k not in names:
+            raise ValueError(f"unknown config key {k!r} in {cls.__name__}; valid: {', '.join(sorted(names))}.")
+        tp = hints[k]
+        kwargs[k] = from_dict(v, tp) if dataclasses.is_dataclass(tp) and isinstance(v, dict) else v
+    return cls(**kwargs)
+
+
+def load(path: str, assignments=()) -> Config:
+    """``get_config()`` of a config file, with ``--set`` assignments applied."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist (see configs/ for the shipped ones).")
+    spec = importlib.util.spec_from_file_location("loco_jax_user_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config file {path!r} must define get_config() returning a loco_jax.config.Config.")
+    cfg = module.get_config()
+    if not isinstance(cfg, Config):
+        raise ValueError(f"get_config() in {path!r} returned {type(cfg).__name__}, not a loco_jax.config.Config.")
+    cfg = override(cfg, assignments)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config):
+    """Cross-field checks that need no devices; messages name the value and what is allowed."""
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive integer.")
+    if cfg.seq_len > cfg.model.max_seq_len:
+        raise ValueError(
+            f"seq_len={cfg.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; use seq_len <= "
+            f"{cfg.model.max_seq_len} or raise model.max_seq_len."
+        )
+    if not isinstance(cfg.sample_tokens, int) or isinstance(cfg.sample_tokens, bool) or cfg.sample_tokens < 0:
+        raise ValueError(f"sample_tokens={cfg.sample_tokens!r} must be an integer >= 0 (0: no samples at the end).")
+    if cfg.nonfinite not in ("skip", "stop"):
+        raise ValueError(f"nonfinite={cfg.nonfinite!r} must be 'skip' or 'stop'.")
+    if cfg.elastic_inner_state not in ("copy", "reset"):
+        raise ValueError(f"elastic_inner_state={cfg.elastic_inner_state!r} must be 'copy' or 'reset'.")
+    if cfg.data.tokenizer not in ("byte", "sentencepiece"):
+        raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} must be 'byte' or 'sentencepiece'.")
+    for section in RESOLVED_FIELDS:
+        node, lib = getattr(cfg, section), _library(section)
+        if node.preset not in lib.PRESETS:
+            raise ValueError(f"{section}.preset={node.preset!r} must be one of {lib.PRESETS}.")
+        fmt = node.format
+        if fmt is not None:
+            from loco_jax import quant
+
+            if fmt not in quant.FORMATS:
+                raise ValueError(f"{section}.format={fmt!r} is unknown; choose one of {quant.FORMATS} or None.")
+
+
+def dumps(cfg) -> str:
+    return json.dumps(to_dict(cfg), indent=2, sort_keys=True)
+
+
+def changed_fields(old: dict, new: dict, prefix="") -> list[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_fields(a, b, prefix + k + ".")
+        elif a != b:
+            out.append(prefix + k)
+    return out
+

@@ -1,0 +1,268 @@
+"""``train_and_evaluate(config, workdir)``: the training loop of a whole experiment.
+
+- the mesh ``(replica, data)`` from ``config.mesh`` (:mod:`loco_jax.training.mesh`);
+- the inner optimizer: ``loco.compress`` on ``data`` (``config.loco.bits``; ``None`` is the exact fp32
+  mean), gradient clipping, AdamW with linear warm-up and cosine decay; wrapped in ``diloco.diloco`` on
+  ``replica`` when ``config.diloco.enabled`` (one compiled program per DiLoCo phase, picked in the
+  Python loop with ``tx.phase(step)``), else plain data parallel (:mod:`loco_jax.training.steps`);
+- evaluation on the global parameters (DiLoCo) or the parameters (DP);
+- metrics as JSON lines, a progress line, a loss plot (:mod:`loco_jax.training.metrics`);
+- orbax checkpoints split into global, per-replica and per-device items, resumed bit-identically by
+  rerunning the same command in the same workdir (:mod:`loco_jax.training.checkpoints`).
+
+Workdir contents: ``config.json`` (the resolved config), ``metrics.jsonl``, ``checkpoints/<step>/``,
+``loss.png``, ``programs.json`` (bytes each compiled program moves, from ``hlo.collective_bytes``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import diloco
+from loco_jax.training import config as config_lib
+from loco_jax.training import mesh as mesh_lib
+from loco_jax.training import model as model_lib
+from loco_jax.training.checkpoints import (
+    check_resume_config, checkpoint_manager, read_meta, restore, restore_elastic, save, saved_config,
+)
+from loco_jax.training.sample import print_samples
+from loco_jax.training.metrics import Progress, emit, metrics_path, plot, summary_table, truncate_metrics, write_atomic
+from loco_jax.training.steps import TrainState
+from loco_jax.training.trainer import Trainer
+
+
+class _Stop:
+    """SIGTERM: finish the current step, write a checkpoint, exit 0."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self, signum, frame):
+        self.requested = True
+
+
+
+def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=emit, stop_after: int | None = None) -> dict:
+    """Trains ``cfg`` in ``workdir`` (resuming from its latest checkpoint); returns a summary.
+
+    ``stop_after``: checkpoint after that step and return, as a pre-emption would (tests, schedulers).
+    """
+    config_lib.validate(cfg)
+    os.makedirs(workdir, exist_ok=True)
+    saved = saved_config(workdir)
+    cfg = config_lib.resolve(cfg, saved)  # None settings: the run's own, else the library's
+    check_resume_config(workdir, cfg, saved, log)
+    trainer = Trainer(cfg, workdir, log)
+    trainer.dataset  # load (or download) the data before anything compiles
+    is_main = jax.process_index() == 0
+    log(f"{mesh_lib.describe(trainer.mesh)}; model {model_lib.count_params(trainer.mcfg):,} parameters; "
+        f"{'Streaming DiLoCo' if cfg.diloco.enabled else 'data parallel'}, loco bits={cfg.loco.bits}")
+    if cfg.optim.warmup_steps >= cfg.steps:
+        log(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} >= steps={cfg.steps}; the warm-up is shortened to "
+            f"{max(cfg.steps - 1, 0)} step(s) so the learning rate still reaches its peak and decays")
+
+    manager = checkpoint_manager(workdir, cfg.keep_checkpoints)
+    start, data_state, bytes_so_far = 0, None, 0.0
+    latest = manager.latest_step()
+    if latest is None:
+        state = trainer.init_state()
+    else:
+        saved_mesh = read_meta(manager, latest).get("mesh")
+        if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"]) != (trainer.m, trainer.d):
+            state, meta = restore_elastic(manager, latest, trainer, saved_mesh, log)
+        else:
+            state, meta = restore(manager, latest, trainer, mesh_recorded=saved_mesh is not None)
+        start, data_state, bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
+        log(f"resumed from checkpoint at step {start}")
+    batches = trainer.dataset.train_iterator(seed=cfg.data.seed, state=data_state)
+    _check_replicas_identical(trainer, state, resumed=latest is not None)
+    if is_main:  # written once the start is known to be sound: a refused resume leaves the workdir as it was
+        write_atomic(os.path.join(workdir, "config.json"), config_lib.dumps(cfg))
+        truncate_metrics(workdir, start)  # rows logged after the checkpoint (or with none) come again
+    stop = _Stop()
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: no SIGTERM handling
+        previous = None
+    progress = Progress(cfg.steps)
+    metrics_file = open(metrics_path(workdir), "a") if is_main else None
+    # Reads at the start are fine: the loop below reads the device only at sync steps.
+    skipped_seen = trainer.skipped(state)
+    offset = _schedule_offset(trainer, state, start) if latest is not None else 0
+    window = _Window(cfg.batch_size * cfg.seq_len)
+    if latest is not None:  # the steps since the last log row, read when the checkpoint was written
+        window.host = [tuple(r) for r in meta.get("unlogged", [])]
+    eval_loss = None
+    try:
+        batch = trainer.put_batch(batches.next_batch(cfg.batch_size)) if start < cfg.steps else None
+        for step in range(start + 1, cfg.steps + 1):
+            phase = trainer.phase(step - offset)
+            prog = trainer.program(phase, state, batch)
+            params, opt_state, out = prog(state.params, state.opt_state, *batch)  # dispatched, not awaited
+            state = TrainState(params, opt_state)
+            window.add(step, out)
+            data_position = batches.state()  # after this step's batch: what a checkpoint here records
+            if step < cfg.steps:  # the next batch is cut and sent while this step runs
+                batch = trainer.put_batch(batches.next_batch(cfg.batch_size))
+            if jax.default_backend() == "cpu":
+                # XLA's CPU collectives can deadlock with several multi-device programs in flight.
+                jax.block_until_ready(state)
+            bytes_so_far += trainer.program_bytes[str(phase)]["per_device"]
+            is_log = step % cfg.log_every == 0 or step == cfg.steps
+            is_eval = step % cfg.eval_every == 0 or step == cfg.steps
+            is_ckpt = step % cfg.checkpoint_every == 0 or step == cfg.steps
+            if not (is_log or is_eval or is_ckpt or step == stop_after):
+                continue  # a quiet step: no device read, no host collective
+
+            # ---- a sync step: the interval's metrics come to the host in one transfer
+            window.read()
+            for bad, total in window.new_skips(skipped_seen):
+                if cfg.nonfinite == "stop":
+                    raise FloatingPointError(
+                        f"non-finite gradients or outer gradients at step {bad} (nonfinite='stop'); the step was "
+                        "not applied. Set nonfinite='skip' to skip such steps and go on."
+                    )
+                log(f"warning: step {bad} had non-finite values and was skipped on every device "
+                    f"({total} skipped so far)")
+            skipped_seen = window.skipped
+            row = None
+            if is_log:
+                row = window.log_row(step, trainer, bytes_so_far)
+                if not math.isfinite(row["loss"]) and cfg.nonfinite == "stop":
+                    raise FloatingPointError(f"non-finite loss {row['loss']} at step {window.first_nonfinite_loss} "
+                                             "(nonfinite='stop').")
+                error_rms = trainer.loco_error_rms(state)
+                if error_rms is not None:
+                    row["loco_error_rms"] = error_rms
+                    row["loco_error_to_grad"] = error_rms / max(row["grad_rms"], 1e-30)
+            if is_eval:
+                eval_loss = trainer.evaluate(state)
+                row = dict(row or {"step": step}, eval_loss=eval_loss)
+            if row is not None:
+                if metrics_file:
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+                progress.update(step, f"loss {row.get('loss', float('nan')):.3f}" + (f" eval {eval_loss:.3f}" if eval_loss else ""))
+                if not progress.tty:
+                    log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+            if jax.process_count() > 1:  # agreed only here, at a step that synchronises anyway
+                from jax.experimental import multihost_utils
+
+                stop.requested = bool(np.any(multihost_utils.process_allgather(np.array(stop.requested))))
+            if stop_after is not None and step >= stop_after:
+                stop.requested = True  # the same step on every process: no agreement needed
+            if is_ckpt or stop.requested:
+                save(manager, step, trainer, state, {"step": step, "data": data_position, "bytes_sent": bytes_so_far,
+                                                     "mesh": {"replica": trainer.m, "data": trainer.d},
+                                                     "unlogged": window.host})
+                last_saved = step
+            if stop.requested:
+                log(f"stop requested: checkpoint written at step {step}; exiting")
+                break
+    finally:
+        progress.close()
+        if metrics_file:
+            metrics_file.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        manager.close()
+    if is_main:
+        with open(os.path.join(workdir, "programs.json"), "w") as f:
+            json.dump(trainer.program_bytes, f, indent=2)
+        log(summary_table(workdir))
+        log(f"loss plot: {plot(workdir)}; metrics: {metrics_path(workdir)}")
+    if cfg.sample_tokens and not stop.requested:  # every process: a sharded leaf is gathered together
+        print_samples(trainer, state, log, step=last_saved, length=cfg.sample_tokens)
+    return {"last_step": last_saved, "eval_loss": eval_loss, "stopped": stop.requested, "state": state}
+
+
+def _schedule_offset(trainer, state, start):
+    """Loop steps minus DiLoCo's own count at a resume: 0, except for checkpoints written before the
+    schedule counted skipped steps (they held the applied steps only); the phase of loop step ``t`` is
+    ``phase(t - offset)`` either way."""
+    if not trainer.cfg.diloco.enabled:
+        return 0
+    return start - int(state.opt_state.step)
+
+
+class _Window:
+    """The per-step outputs (loss, gradient RMS, skip count) since the last sync step, kept on device.
+
+    ``read()`` brings them to the host in one ``jax.device_get``; a log row averages every step since
+    the previous log row (the logged loss is the interval's mean, not one step's). A checkpoint records
+    the steps read but not yet logged (``meta["unlogged"]``), so a resumed run logs the same means.
+    """
+
+    def __init__(self, tokens_per_step):
+        self.tokens_per_step = tokens_per_step
+        self.on_device, self.host = [], []  # (step, out) not yet read; read but not yet logged
+        self.skipped, self._new = None, []
+        self.t_last = time.perf_counter()
+
+    def add(self, step, out):
+        self.on_device.append((step, out))
+
+    def read(self):
+        steps = [s for s, _ in self.on_device]
+        outs = jax.device_get([o for _, o in self.on_device])
+        self.on_device = []
+        self._new = [(s, int(o["skipped"])) for s, o in zip(steps, outs)]
+        self.host += [(s, float(o["loss"]), float(o["grad_rms"])) for s, o in zip(steps, outs)]
+
+    def new_skips(self, seen):
+        """(step, skipped so far) for every step read that was skipped, oldest first."""
+        out = []
+        for step, total in self._new:
+            if total > seen:
+                out.append((step, total))
+            seen = total
+        self.skipped = seen
+        return out
+
+    @property
+    def first_nonfinite_loss(self):
+        return next((s for s, loss, _ in self.host if not math.isfinite(loss)), None)
+
+    def log_row(self, step, trainer, bytes_so_far):
+        now = time.perf_counter()
+        losses = [loss for _, loss, _ in self.host]
+        grad_rms = [g for _, _, g in self.host]
+        row = {
+            # the optimizer's own count: skipped steps do not advance the learning-rate schedule
+            "step": step, "loss": sum(losses) / len(losses),
+            "lr": float(trainer.schedule(step - 1 - self.skipped)),
+            "tokens_per_s": self.tokens_per_step * len(self.host) / (now - self.t_last),
+            "bytes_sent_per_device": bytes_so_far, "skipped_steps": self.skipped,
+            "grad_rms": sum(grad_rms) / len(grad_rms),
+        }
+        self.host, self.t_last = [], now
+        return row
+
+
+def _check_replicas_identical(trainer, state, resumed):
+    """Every replica must hold the same starting point: refuse to train otherwise.
+
+    A fresh run compares the local parameters (each replica's block); a resumed
+    one compares every device's copy of the global parameters (local ones
+    differ between syncs by design). A checksum over ``replica`` on device.
+    """
+    if not trainer.cfg.diloco.enabled or trainer.m == 1:
+        return
+    tree, spec = (diloco.global_params(state.opt_state), P()) if resumed else (state.params, trainer.param_spec)
+    # max - min over replicas is exact (a pmean of identical values rounds for most replica counts)
+    gap_fn = lambda t: sum(jnp.max(lax.pmax(x, "replica") - lax.pmin(x, "replica")) for x in jax.tree.leaves(t))
+    fn = jax.jit(jax.shard_map(gap_fn, mesh=trainer.mesh, in_specs=spec, out_specs=P(), check_vma=False))
+    gap = float(fn(tree))
+    if gap != 0.0:
+        what = "global" if resumed else "initial"
+        raise RuntimeError(f"replicas hold different {what} parameters (max difference {gap:g}); refusing to train.")

@@ -1,0 +1,337 @@
+"""Text generated from a run's global parameters: what the model learned, next to its loss.
+
+- :func:`samples`: continuations of a few prompts (greedy or temperature / top-k sampling with
+  :func:`loco_jax.training.model.generate`), decoded with the run's tokenizer.
+- :func:`print_samples`: the block the loop logs at the end of a run, from the *global* parameters
+  (``trainer.eval_params(state)``: DiLoCo's outer parameters, or the data-parallel parameters)::
+
+      samples (step 300, temperature 0.8, 64 tokens each, global parameters):
+        "KING HENRY" -> " VIII. I will not so much the sea\\n  ..."
+
+- :func:`sample_workdir`: ``python train.py --sample``: restores a workdir's latest checkpoint (as
+  the loop does, elastic restore included) and prints that block, without training.
+
+Generation runs on **one device** with a copy of the global parameters: the trainer's are
+replicated over the whole mesh (``P()``), so each leaf's copy on this process's first device is
+used as is (no transfer, no extra memory). A leaf sharded over devices of several processes (not
+the case for this trainer's global parameters, but possible for other layouts) can only be
+gathered by every process together; :func:`print_samples` therefore runs that gather on every
+process and only then returns on processes other than 0, which print nothing. Call it on every
+process.
+
+Cost: ``length`` forward passes over ``min(seq_len, prompt + length)`` positions for ``num``
+prompts at once, plus one compile: about a second or two for the tiny CPU models.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from loco_jax.training import model as model_lib
+
+__all__ = [
+    "DEFAULT_LENGTH",
+    "DEFAULT_NUM",
+    "DEFAULT_TEMPERATURE",
+    "default_prompts",
+    "escape",
+    "format_samples",
+    "latest_checkpoint_step",
+    "on_one_device",
+    "print_samples",
+    "restore_latest",
+    "sample_workdir",
+    "samples",
+]
+
+DEFAULT_NUM = 3
+DEFAULT_LENGTH = 64
+DEFAULT_TEMPERATURE = 0.8
+PROMPT_WORDS = 2  # default prompts: the first words of a line
+PROMPT_MAX_CHARS = 24
+PROMPT_TOKENS = 8  # token-file runs (no tokenizer): this many eval tokens per prompt
+
+
+# ---------------------------------------------------------------------------- prompts and text
+
+
+def escape(text: str) -> str:
+    """``text`` on one line: backslash, newline, tab and every other non-printable character escaped
+    as Python writes them (``\\n``, ``\\t``, ``\\x07``, ``\\u2028``); printable text is left as is."""
+    out = []
+    for c in text:
+        if c == "\\":
+            out.append("\\\\")
+        elif c.isprintable():
+            out.append(c)
+        else:
+            out.append(repr(c)[1:-1])  # '\n', '\t', '\x07', '\u2028', ...
+    return "".join(out)
+
+
+def _line_prompts(text: str, num: int) -> list[str]:
+    """The first words of ``num`` lines spread evenly over ``text`` (the centres of ``num`` equal parts)."""
+    lines = [line.strip() for line in text.splitlines()]
+    lines = [line for line in lines if len(line.split()) >= 2 and any(c.isalpha() for c in line)]
+    if not lines:
+        return []
+    picks = [lines[(2 * k + 1) * len(lines) // (2 * num)] for k in range(num)]
+    out = []
+    for line in picks:
+        prompt = " ".join(line.split()[:PROMPT_WORDS])[:PROMPT_MAX_CHARS]
+        out.append(prompt)
+    return out
+
+
+def default_prompts(data, num: int = DEFAULT_NUM) -> list:
+    """``num`` short prompts from a run's data (a :class:`~loco_jax.training.data.TokenData` or None).
+
+    Text data: the first words of ``num`` lines spread over the eval text (the training text when no
+    eval text was held out), so the model continues text like the text it was judged on. Token files
+    (no tokenizer): the first :data:`PROMPT_TOKENS` ids of ``num`` spread positions of the eval stream,
+    as lists of ints. Nothing to go on: a newline each.
+    """
+    if num < 1:
+        raise ValueError(f"num={num} must be >= 1.")
+    corpus = getattr(data, "corpus", None)
+    if corpus is not None and getattr(data, "tokenizer", None) is not None:
+        prompts = _line_prompts(corpus.eval_text, num) or _line_prompts(corpus.train_text, num)
+        if prompts:
+            return prompts
+    if data is not None and getattr(data, "tokenizer", None) is None:
+        for stream in (data.eval_tokens, data.train_tokens):
+            if len(stream) >= PROMPT_TOKENS:
+                last = len(stream) - PROMPT_TOKENS
+                starts = [(2 * k + 1) * last // (2 * num) for k in range(num)]
+                return [[int(t) for t in stream[s : s + PROMPT_TOKENS]] for s in starts]
+    return ["\n"] * num
+
+
+def _encode(tokenizer, prompt) -> np.ndarray:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"prompt {prompt!r} is text, but this run has no tokenizer (a token-file run): "
+                             "give prompts as lists of token ids.")
+        ids = np.asarray(tokenizer.encode(prompt), np.int64)
+    else:
+        ids = np.asarray(prompt, np.int64).reshape(-1)
+    if ids.size == 0:
+        raise ValueError(f"prompt {prompt!r} encodes to no tokens; give at least one token.")
+    return ids
+
+
+def _decode(tokenizer, ids) -> str:
+    ids = np.asarray(ids).reshape(-1)
+    if tokenizer is None:
+        return " ".join(str(int(i)) for i in ids)
+    return tokenizer.decode(ids)
+
+
+def _show(tokenizer, prompt) -> str:
+    return prompt if isinstance(prompt, str) else _decode(tokenizer, prompt)
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+def _is_local_copy(x) -> bool:
+    return not isinstance(x, jax.Array) or x.is_fully_addressable or x.sharding.is_fully_replicated
+
+
+def on_one_device(params, device=None):
+    """``params`` with every leaf on one device (``device``, default this process's first device).
+
+    A replicated leaf gives its own copy on that device (no transfer when it has one there); a leaf
+    sharded within this process is assembled on it; a leaf sharded across processes is all-gathered
+    (``multihost_utils.process_allgather``): a collective, so then every process must call this.
+    """
+    device = device or jax.local_devices()[0]
+
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return jax.device_put(np.asarray(x), device)
+        if x.sharding.is_fully_replicated:
+            for shard in x.addressable_shards:
+                if shard.device == device:
+                    return shard.data
+            return jax.device_put(x.addressable_shards[0].data, device)
+        if x.is_fully_addressable:
+            return jax.device_put(x, device)
+        from jax.experimental import multihost_utils
+
+        return jax.device_put(multihost_utils.process_allgather(x, tiled=True), device)
+
+    return jax.tree.map(one, params)
+
+
+def _model_and_window(cfg):
+    """(ModelConfig, context window) from a training ``Config`` (window: its ``seq_len``) or a ModelConfig."""
+    if isinstance(cfg, model_lib.ModelConfig):
+        return cfg, cfg.max_seq_len
+    from loco_jax.training.steps import model_config
+
+    mcfg = model_config(cfg)
+    return mcfg, min(int(cfg.seq_len), mcfg.max_seq_len)
+
+
+def samples(
+    cfg, params, tokenizer, *, prompts=None, num: int = DEFAULT_NUM, length: int = DEFAULT_LENGTH,
+    temperature: float = DEFAULT_TEMPERATURE, top_k: int | None = None, seed: int = 0,
+    eval_text: str | None = None,
+) -> list[str]:
+    """The continuation (decoded text) of each prompt, generated by the model with ``params``.
+
+    Args:
+      cfg: the run's training ``Config`` (the model's context is then its ``seq_len``, the length it
+        was trained at) or a :class:`~loco_jax.training.model.ModelConfig` (context ``max_seq_len``).
+      params: the parameter dict; moved to one device first (:func:`on_one_device`).
+      tokenizer: the run's tokenizer (``encode``/``decode``/``vocab_size``), or ``None`` for a
+        token-file run: prompts are then lists of ids and continuations are ids joined by spaces.
+      prompts: strings (encoded with ``tokenizer``) or lists of token ids; a prompt longer than the
+        context keeps its last tokens. ``None``: the first words of ``num`` lines of ``eval_text``,
+        or newlines when none is given.
+      num: how many default prompts (ignored when ``prompts`` is given).
+      length: tokens to generate per prompt.
+      temperature: 0 is greedy; otherwise sampling at this temperature (``top_k`` to restrict it).
+      seed: the sampling key is ``jax.random.key(seed)``: the same seed gives the same text.
+      eval_text: text to take the default prompts from.
+    """
+    if prompts is None:
+        prompts = (_line_prompts(eval_text, num) if eval_text else []) or ["\n"] * num
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt (or prompts=None for the defaults).")
+    mcfg, window = _model_and_window(cfg)
+    ids = [_encode(tokenizer, p)[-window:] for p in prompts]
+    vocab = mcfg.vocab_size if tokenizer is None else min(int(tokenizer.vocab_size), mcfg.vocab_size)
+    for p, row in zip(prompts, ids):
+        if row.min() < 0 or row.max() >= vocab:
+            raise ValueError(f"prompt {p!r} holds token ids outside [0, {vocab}).")
+    width = max(len(row) for row in ids)
+    batch = np.zeros((len(ids), width), np.int32)
+    for b, row in enumerate(ids):
+        batch[b, : len(row)] = row
+    out = model_lib.generate(
+        mcfg, on_one_device(params), batch, int(length), key=jax.random.key(seed), temperature=temperature,
+        top_k=top_k, prompt_lengths=np.array([len(r) for r in ids], np.int32), window=window, vocab_size=vocab,
+    )
+    return [_decode(tokenizer, row) for row in np.asarray(out)]
+
+
+def format_samples(prompts, continuations, *, tokenizer=None, step=None, temperature=DEFAULT_TEMPERATURE,
+                   length=DEFAULT_LENGTH, top_k=None) -> list[str]:
+    """The lines of the samples block: a header, then ``  "prompt" -> "continuation"`` per prompt, escaped."""
+    what = [f"step {step}"] if step is not None else []
+    what.append("greedy" if temperature == 0 else f"temperature {temperature:g}")
+    if top_k is not None and temperature != 0:
+        what.append(f"top-k {top_k}")
+    what.append(f"{length} tokens each, global parameters")
+    lines = [f"samples ({', '.join(what)}):"]
+    for prompt, text in zip(prompts, continuations):
+        lines.append(f'  "{escape(_show(tokenizer, prompt))}" -> "{escape(text)}"')
+    return lines
+
+
+def _state_step(state):
+    step = getattr(getattr(state, "opt_state", None), "step", None)  # DiLoCo counts its steps; DP does not
+    try:
+        return None if step is None else int(step)
+    except (TypeError, ValueError):
+        return None
+
+
+def print_samples(trainer, state, log=print, *, step: int | None = None, prompts=None, num: int = DEFAULT_NUM,
+                  length: int = DEFAULT_LENGTH, temperature: float = DEFAULT_TEMPERATURE, top_k: int | None = None,
+                  seed: int = 0) -> list[str] | None:
+    """Logs a few continuations generated from the run's global parameters; returns the lines.
+
+    Call it on **every** process: the global parameters are brought to one device of process 0
+    (:func:`on_one_device`; a collective only for a leaf sharded across processes), then processes
+    other than 0 return None and log nothing. The tokenizer and the default prompts (the first words
+    of lines of the eval text) come from the trainer's dataset; ``step`` labels the block (default:
+    DiLoCo's own step count, else no label).
+    """
+    params = trainer.eval_params(state)
+    if not all(_is_local_copy(x) for x in jax.tree.leaves(params)):
+        params = on_one_device(params)  # the gather every process takes part in
+    if jax.process_index() != 0:
+        return None
+    data = trainer.dataset.tokens
+    tokenizer = data.tokenizer
+    prompts = default_prompts(data, num) if prompts is None else list(prompts)
+    continuations = samples(trainer.cfg, params, tokenizer, prompts=prompts, length=length, temperature=temperature,
+                            top_k=top_k, seed=seed)
+    lines = format_samples(prompts, continuations, tokenizer=tokenizer, temperature=temperature, length=length,
+                           top_k=top_k, step=_state_step(state) if step is None else step)
+    log("\n".join(lines))
+    return lines
+
+
+# ---------------------------------------------------------------------------- python train.py --sample
+
+
+def latest_checkpoint_step(workdir: str) -> int:
+    """The newest finished checkpoint step on disk (``checkpoints/<int>/``), read without orbax or jax
+    devices, so ``train.py --sample`` can fail early; raises ``FileNotFoundError`` naming what is missing.
+
+    Orbax writes into a temporary folder and renames it to the bare step number when the checkpoint
+    is complete, so a folder named by an int is a finished one; :func:`restore_latest` asks orbax again.
+    """
+    folder = os.path.join(workdir, "checkpoints")
+    steps = sorted(int(name) for name in (os.listdir(folder) if os.path.isdir(folder) else ())
+                   if name.isdigit() and os.path.isdir(os.path.join(folder, name)))
+    if not steps:
+        raise FileNotFoundError(
+            f"no checkpoint in {folder}: --sample needs a trained run; train first with "
+            f"`python train.py --config CONFIG --workdir {workdir}` (it checkpoints every checkpoint_every steps "
+            "and at the end)."
+        )
+    if not os.path.isfile(os.path.join(workdir, "config.json")):
+        raise FileNotFoundError(f"{workdir} has checkpoints but no config.json; --sample needs the run's config.")
+    return steps[-1]
+
+
+def restore_latest(trainer, workdir: str, log=print):
+    """(state, meta) of the workdir's latest checkpoint, restored as the loop restores a run: on the mesh
+    it was written on directly, on another mesh by the elastic restore. Raises ``FileNotFoundError``
+    when orbax finds no complete checkpoint."""
+    from loco_jax.training.checkpoints import checkpoint_manager, read_meta, restore, restore_elastic
+
+    latest_checkpoint_step(workdir)  # before the manager, which would create checkpoints/
+    manager = checkpoint_manager(workdir, trainer.cfg.keep_checkpoints)
+    try:
+        latest = manager.latest_step()
+        if latest is None:
+            raise FileNotFoundError(f"no complete checkpoint in {os.path.join(workdir, 'checkpoints')}.")
+        saved_mesh = read_meta(manager, latest).get("mesh")
+        if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"]) != (trainer.m, trainer.d):
+            return restore_elastic(manager, latest, trainer, saved_mesh, log)
+        return restore(manager, latest, trainer, mesh_recorded=saved_mesh is not None)
+    finally:
+        manager.close()
+
+
+def sample_workdir(workdir: str, overrides=(), log=print, **kwargs) -> list[str] | None:
+    """``python train.py --sample``: the samples block of the workdir's latest checkpoint, no training.
+
+    The config is the run's own ``config.json``; ``overrides`` (``--set``) may change what does not
+    touch the trained state (the mesh, for instance) and are refused otherwise, as on resume.
+    ``kwargs`` go to :func:`print_samples` (``length``, ``temperature``, ``top_k``, ``seed``, ``prompts``,
+    ``num``). Call it on every process of a multi-process run.
+    """
+    from loco_jax.training import config as config_lib
+    from loco_jax.training.checkpoints import check_resume_config, saved_config
+    from loco_jax.training.trainer import Trainer
+
+    latest_checkpoint_step(workdir)
+    saved = saved_config(workdir)
+    cfg = config_lib.override(config_lib.from_dict(saved), overrides)
+    config_lib.validate(cfg)
+    cfg = config_lib.resolve(cfg, saved)
+    check_resume_config(workdir, cfg, saved, log)
+    trainer = Trainer(cfg, workdir, log)
+    state, meta = restore_latest(trainer, workdir, log)
+    return print_samples(trainer, state, log, step=meta["step"], **kwargs)

@@ -1,0 +1,97 @@
+"""The pure step functions and the optimizer a config builds: ``train_step`` and ``eval_step`` run inside
+``shard_map``; ``make_optimizer`` is LoCo (or the exact mean) on ``data``, clipping and AdamW, wrapped in
+Streaming DiLoCo on ``replica`` when the config enables it.
+
+The step recipe of the README: parameters are cast to varying over ``data`` before ``jax.grad``, so no
+hidden fp32 psum runs; the optimizer's collectives are the only ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import diloco, loco, specs
+from loco_jax.training import config as config_lib
+from loco_jax.training import model as model_lib
+
+BATCH_SPEC = P(("replica", "data"))
+
+
+class TrainState(NamedTuple):
+    params: Any
+    opt_state: Any
+
+
+def learning_rate_schedule(cfg: config_lib.Config):
+    """Linear warm-up to ``optim.lr``, cosine decay to ``lr * min_lr_ratio`` at ``steps``.
+
+    A warm-up of ``steps`` or more is shortened to ``steps - 1`` (the trainer logs it): the peak is reached.
+    """
+    o = cfg.optim
+    warmup = min(o.warmup_steps, max(cfg.steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.lr, warmup_steps=warmup, decay_steps=max(cfg.steps, warmup + 1),
+        end_value=o.lr * o.min_lr_ratio,
+    )
+
+
+def make_optimizer(cfg: config_lib.Config):
+    """The step's optax transformation: LoCo (or exact mean) on ``data``, clip, AdamW; DiLoCo outside."""
+    o, c = cfg.optim, cfg.loco
+    parts = [
+        loco.compress(
+            c.bits, beta=c.beta, compensate=c.compensate, error_bits=c.error_bits, block_size=c.block_size,
+            reset_every=c.reset_every, compensate_second_stage=c.compensate_second_stage, axis_name="data",
+            format=c.format, rotate=c.rotate, preset=c.preset, seed=cfg.seed,
+        )
+    ]
+    if o.grad_clip is not None:
+        parts.append(optax.clip_by_global_norm(o.grad_clip))
+    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+    inner = optax.chain(*parts)
+    d = cfg.diloco
+    if not d.enabled:
+        return loco.skip_nonfinite(inner)  # a non-finite step leaves Adam untouched too
+    outer = optax.sgd(d.outer_lr, momentum=d.outer_momentum or None, nesterov=d.outer_momentum > 0)
+    return diloco.diloco(
+        inner, sync_every=d.sync_every, outer=outer, num_fragments=d.num_fragments, overlap=d.overlap,
+        alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, rotate=d.rotate, mode=d.mode,
+        block_size=d.block_size, preset=d.preset, seed=cfg.seed,
+    )
+
+
+def model_config(cfg: config_lib.Config) -> model_lib.ModelConfig:
+    m = cfg.model
+    return model_lib.ModelConfig(
+        vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, d_ff=m.d_ff, max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings,
+        scan_layers=m.scan_layers, remat=m.remat, compute_dtype=m.compute_dtype,
+    )
+
+
+def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None):
+    """One step inside ``shard_map``: loss, gradient (no hidden psum), the optimizer, new params."""
+    varying = lax.pcast(params, "data", to="varying")  # the README recipe
+    loss, grads = jax.value_and_grad(lambda p: model_lib.loss_fn(mcfg, p, inputs, targets))(varying)
+    extra = {} if phase is None else {"phase": phase}
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    params = optax.apply_updates(params, updates)
+    grad_sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+    grad_rms = jnp.sqrt(grad_sq / sum(g.size for g in jax.tree.leaves(grads)))  # this device's local gradient
+    axes = ("replica", "data")
+    metrics = {name: lax.pmean(specs.to_varying(v, axes), axes) for name, v in (("loss", loss), ("grad_rms", grad_rms))}
+    return params, opt_state, metrics
+
+
+def eval_step(mcfg, params, inputs, targets):
+    """Mean loss over the eval batch, inside ``shard_map`` (params identical everywhere)."""
+    return lax.pmean(model_lib.loss_fn(mcfg, params, inputs, targets), ("replica", "data"))
+
+
+# ---------------------------------------------------------------------------- state layout for checkpoints

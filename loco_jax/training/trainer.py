@@ -1,0 +1,159 @@
+"""The ``Trainer``: mesh, data, compiled programs and train state of one config.
+
+The loop that drives it is :mod:`loco_jax.training.loop`; checkpoints are
+:mod:`loco_jax.training.checkpoints`; metrics, plot and progress are :mod:`loco_jax.training.metrics`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import diloco, hlo, loco
+from loco_jax.training import config as config_lib
+from loco_jax.training import mesh as mesh_lib
+from loco_jax.training import model as model_lib
+from loco_jax.training import steps
+from loco_jax.training.dataset import Dataset
+from loco_jax.training.metrics import emit
+from loco_jax.training.steps import BATCH_SPEC, TrainState, learning_rate_schedule, make_optimizer, model_config
+
+
+class Trainer:
+    """Builds the mesh, data, programs and state of a config; ``run()`` trains."""
+
+    def __init__(self, cfg: config_lib.Config, workdir: str, log=emit):
+        cfg = config_lib.resolve(cfg)  # idempotent on a resolved config; None settings take the library defaults
+        self.cfg, self.workdir, self.log = cfg, workdir, log
+        self.mesh = mesh_lib.make_mesh(cfg.mesh.replicas, cfg.mesh.data)
+        self.m, self.d = self.mesh.shape["replica"], self.mesh.shape["data"]
+        if not cfg.diloco.enabled and self.m != 1:
+            raise ValueError(
+                f"mesh.replicas={self.m} needs diloco.enabled=True; plain data parallel runs on one replica "
+                "(set mesh.replicas=1 to average over every device)."
+            )
+        n_dev = self.m * self.d
+        if cfg.batch_size % n_dev:
+            raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {n_dev} devices of the mesh.")
+        self.mcfg = model_config(cfg)
+        self.tx = make_optimizer(cfg)
+        if cfg.diloco.enabled:
+            self.tx.plan(model_lib.abstract_params(self.mcfg))  # fragments checked before anything compiles
+        self.schedule = learning_rate_schedule(cfg)
+        self._dataset = None
+        self._programs, self.program_bytes = {}, {}
+        self.param_spec = P("replica") if cfg.diloco.enabled else P()
+
+    @property
+    def dataset(self):
+        """Loaded on first use (benchmarks that only compile need no data)."""
+        if self._dataset is None:
+            self._dataset = Dataset(self.cfg, self.log)
+        return self._dataset
+
+    def abstract_batch(self):
+        shape = (self.cfg.batch_size, self.cfg.seq_len)
+        sharding = NamedSharding(self.mesh, BATCH_SPEC)
+        return (jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),) * 2
+
+    # ------------------------------------------------------------ state
+
+    def init_state(self):
+        params = model_lib.init_params(self.mcfg, jax.random.PRNGKey(self.cfg.seed))
+        if self.cfg.diloco.enabled:  # one block of local parameters per replica, concatenated on dim 0
+            params = jax.tree.map(lambda x: jnp.concatenate([x] * self.m), params)
+        params = jax.device_put(params, NamedSharding(self.mesh, self.param_spec))
+        state_specs = self._state_specs(params)
+        init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=self.param_spec, out_specs=state_specs))
+        self.specs = TrainState(jax.tree.map(lambda _: self.param_spec, params), state_specs)
+        return TrainState(params, init(params))
+
+    def _state_specs(self, params):
+        if self.cfg.diloco.enabled:
+            return diloco.state_specs(self.tx, params, self.mesh)
+        return loco.state_specs(self.tx, params, self.mesh)
+
+    def abstract_state(self):
+        """Shapes and shardings of the train state, without allocating it (for restores)."""
+        state = jax.eval_shape(self.init_state)
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+
+    # ------------------------------------------------------------ programs
+
+    def program(self, phase, state, batch):
+        """The compiled step program of a DiLoCo phase (None for DP); compiled once, bytes recorded."""
+        if phase not in self._programs:
+            def fn(p, s, x, y):
+                p, s, metrics = steps.train_step(self.tx, self.mcfg, p, s, x, y, phase=phase)
+                # a copy of the skip count beside the metrics: the state itself is donated to the next step
+                return p, s, dict(metrics, skipped=s.skipped)
+            specs = self.specs
+            f = jax.jit(
+                jax.shard_map(
+                    fn, mesh=self.mesh, in_specs=(specs.params, specs.opt_state, BATCH_SPEC, BATCH_SPEC),
+                    out_specs=(specs.params, specs.opt_state, P()),
+                ),
+                donate_argnums=(0, 1),
+            )
+            compiled = f.lower(state.params, state.opt_state, *batch).compile()
+            report = hlo.collective_bytes(compiled)
+            cross = sum(op.total_bytes for op in report.ops if self.m > 1 and op.spans(self.d)) * self.d
+            self.program_bytes[str(phase)] = {"per_device": report.total, "cross_replica_per_replica": cross}
+            self._programs[phase] = compiled
+        return self._programs[phase]
+
+    def eval_program(self):
+        if "eval" not in self._programs:
+            fn = lambda p, x, y: steps.eval_step(self.mcfg, p, x, y)
+            self._programs["eval"] = jax.jit(
+                jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), BATCH_SPEC, BATCH_SPEC), out_specs=P())
+            )
+        return self._programs["eval"]
+
+    def loco_error_rms(self, state):
+        """RMS of LoCo's stored errors over every device (a diagnostic for the metrics)."""
+        if self.cfg.loco.bits is None or not self.cfg.loco.compensate:
+            return None
+        if "diag" not in self._programs:
+            fn = lambda s: loco.error_rms(s, self.cfg.loco.block_size, self.cfg.loco.error_bits)
+            self._programs["diag"] = jax.jit(
+                jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs.opt_state,), out_specs=P())
+            )
+        return float(self._programs["diag"](state.opt_state))
+
+    def eval_params(self, state):
+        if self.cfg.diloco.enabled:
+            return diloco.global_params(state.opt_state)
+        return state.params
+
+    def put_batch(self, rows):
+        sharding = NamedSharding(self.mesh, BATCH_SPEC)
+        return tuple(jax.make_array_from_process_local_data(sharding, np.asarray(a)) for a in rows)
+
+    def evaluate(self, state):
+        losses = []
+        for inputs, targets in self.dataset.eval_batches(self.cfg.batch_size, self.cfg.eval_batches):
+            losses.append(float(self.eval_program()(self.eval_params(state), *self.put_batch((inputs, targets)))))
+        return float(np.mean(losses))
+
+    # ------------------------------------------------------------ loop
+
+    def phase(self, step):
+        """The compiled program's key for loop step ``step``: its DiLoCo phase (None for data parallel).
+
+        From the host's step count alone: DiLoCo's schedule counts skipped steps too (``diloco`` module
+        docstring), so the device's ``step`` equals the loop's and nothing is read back to pick a program.
+        """
+        return self.tx.phase(step) if self.cfg.diloco.enabled else None
+
+    def skipped(self, state):
+        """Steps skipped for non-finite values so far (the outermost counter: DiLoCo's or skip_nonfinite's).
+
+        A device read: only at steps that synchronise anyway.
+        """
+        return int(state.opt_state.skipped)
+

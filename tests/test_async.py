@@ -1,0 +1,145 @@
+"""The training loop keeps JAX's async dispatch: no device read and no host collective on a quiet step.
+
+A quiet step logs, evaluates and checkpoints nothing. Every host conversion of a
+``jax.Array`` (``__array__``, ``__float__``, ``__int__``, ``__bool__``,
+``__index__``, ``item``, ``tolist``, ``jax.device_get``) is counted and charged
+to the loop step last dispatched (``Trainer.program`` is called once per
+step); conversions made inside another one (``device_get`` of a list) count
+once. On CPU ``jax.transfer_guard`` does not see these reads (the arrays
+already live in host memory), hence the counter.
+
+    python tests/test_async.py CONFIG WORKDIR COORDINATOR NUM_PROCESSES PROCESS_ID
+
+runs one process of a multi-process run with the counter and prints its
+counts as JSON (used by ``test_two_processes_read_nothing_on_quiet_steps``).
+"""
+
+import collections
+import json
+import sys
+import threading
+
+import jax
+import pytest
+from jax._src.array import ArrayImpl
+
+from loco_jax import trainer
+from loco_jax.training import loop
+from loco_jax.training.trainer import Trainer
+from tests.test_trainer import _env, _free_port, _train_cmd, quiet, small_config, text_file, write_config_file  # noqa: F401
+
+CONVERSIONS = ("__array__", "__float__", "__int__", "__bool__", "__index__", "item", "tolist")
+
+
+class HostReads:
+    """Host conversions of ``jax.Array`` per loop step (0: before the first step)."""
+
+    def __init__(self):
+        self.step, self.by_step, self._local = 0, collections.Counter(), threading.local()
+
+    def install(self, monkeypatch):
+        for name in CONVERSIONS:
+            monkeypatch.setattr(ArrayImpl, name, self._counted(getattr(ArrayImpl, name)))
+        monkeypatch.setattr(jax, "device_get", self._counted(jax.device_get))
+        program = Trainer.program
+
+        def next_step(trainer_self, *args):
+            self.step += 1
+            return program(trainer_self, *args)
+
+        monkeypatch.setattr(Trainer, "program", next_step)
+        return self
+
+    def _counted(self, fn):
+        def wrapped(*args, **kwargs):
+            depth = getattr(self._local, "depth", 0)
+            if depth == 0:
+                self.by_step[self.step] += 1
+            self._local.depth = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._local.depth = depth
+
+        return wrapped
+
+
+def sync_steps(cfg):
+    return {t for t in range(1, cfg.steps + 1)
+            if t % cfg.log_every == 0 or t % cfg.eval_every == 0 or t % cfg.checkpoint_every == 0 or t == cfg.steps}
+
+
+def _quiet_reads(by_step, cfg):
+    return {t: n for t, n in by_step.items() if t and t not in sync_steps(cfg)}
+
+
+# Streaming DiLoCo with overlap 1 (small_config's H 6, P 3: sends at 7, 9, 11, applies a step later) runs in
+# test_two_processes_read_nothing_on_quiet_steps.
+RUNS = {
+    "data_parallel": {"mesh.replicas": 1, "diloco.enabled": False},
+    "streaming_overlap2": {"diloco.overlap": 2, "diloco.sync_every": 9, "steps": 14},  # sends 10, 13; applies 11
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_quiet_steps_read_nothing_from_the_device(name, text_file, tmp_path, monkeypatch):  # noqa: F811
+    cfg = small_config(text_file, log_every=4, eval_every=12, checkpoint_every=6, **RUNS[name])
+    reads = HostReads().install(monkeypatch)
+    summary = trainer.train_and_evaluate(cfg, str(tmp_path), log=quiet)
+    monkeypatch.undo()
+    assert reads.step == cfg.steps and summary["last_step"] == cfg.steps
+    assert _quiet_reads(reads.by_step, cfg) == {}, f"host reads on quiet steps: {dict(reads.by_step)}"
+    assert all(reads.by_step[t] > 0 for t in sync_steps(cfg)), dict(reads.by_step)  # the counter sees reads
+    if name == "data_parallel":  # the logged loss is the mean over the interval, not the last step's
+        per_step = str(tmp_path / "per_step")
+        trainer.train_and_evaluate(small_config(text_file, log_every=1, eval_every=12, checkpoint_every=6,
+                                                **RUNS[name]), per_step, log=quiet)
+        every = {r["step"]: r["loss"] for r in trainer.read_metrics(per_step) if "loss" in r}
+        for row in (r for r in trainer.read_metrics(str(tmp_path)) if "loss" in r):
+            want = sum(every[t] for t in range(row["step"] - 3, row["step"] + 1)) / 4
+            assert row["loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_counter_catches_a_read_on_a_quiet_step(text_file, tmp_path, monkeypatch):  # noqa: F811
+    """The check can fail: one scalar read per step (what the loop did before) shows on every quiet step."""
+    cfg = small_config(text_file, log_every=4, eval_every=12, checkpoint_every=6, **RUNS["data_parallel"])
+    reads = HostReads().install(monkeypatch)
+    phase = Trainer.phase
+    monkeypatch.setattr(Trainer, "phase", lambda self, step: (int(self.schedule(step)), phase(self, step))[1])
+    trainer.train_and_evaluate(cfg, str(tmp_path), log=quiet)
+    monkeypatch.undo()
+    assert set(_quiet_reads(reads.by_step, cfg)) == set(range(1, cfg.steps + 1)) - sync_steps(cfg)
+
+
+def test_two_processes_read_nothing_on_quiet_steps(text_file, tmp_path):  # noqa: F811
+    import subprocess
+
+    cfg = small_config(text_file, log_every=4, eval_every=12, checkpoint_every=6,
+                       **{"loco.bits": "None", "diloco.bits": "None"})
+    config_path = write_config_file(tmp_path / "cfg.py", cfg)
+    port, workdir = _free_port(), str(tmp_path / "run")
+    procs = [subprocess.Popen([sys.executable, __file__, config_path, workdir, f"localhost:{port}", "2", str(i)],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    for out in outs:
+        by_step = {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+        assert _quiet_reads(by_step, cfg) == {}, by_step
+        assert max(by_step) == cfg.steps
+
+
+def _main(config_path, workdir, coordinator, num_processes, process_id):
+    from loco_jax import config as config_lib
+    from loco_jax import mesh
+
+    mesh.initialize(coordinator, int(num_processes), int(process_id), local_device_count=4)
+    patch = pytest.MonkeyPatch()
+    reads = HostReads().install(patch)
+    loop.train_and_evaluate(config_lib.load(config_path, []), workdir, log=quiet)
+    patch.undo()
+    print(json.dumps(dict(reads.by_step)))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])

@@ -6,7 +6,13 @@ lr 4e-4 (betas 0.9 / 0.95, weight decay 0.1) with warm-up and cosine decay; oute
 Nesterov momentum 0.9. Set mesh.replicas to the number of clusters (one replica per host group) and
 batch_size to the global batch in sequences.
 
+It trains on your corpus, never on the Shakespeare demo text: without data.path it refuses to start
+(data.require_path) and prints the command below. Tokenize once, then run the same command on every host:
+
+    python prepare_data.py --input /path/to/corpus --output /data/shards --tokenizer sentencepiece \\
+        --vocab-size 32000
     python train.py --config configs/diloco_1b.py --workdir /ckpt/run1 \\
+        --set data.path=/data/shards --set data.sp_model=/data/shards/tokenizer.model \\
         --coordinator HOST0:1234 --num-processes N --process-id I
 """
 
@@ -20,6 +26,7 @@ def get_config() -> Config:
     m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.d_ff = 32_000, 2048, 24, 16, 5632
     m.max_seq_len, m.scan_layers, m.remat, m.compute_dtype = 2048, False, True, "bfloat16"
     cfg.data.tokenizer, cfg.data.sp_vocab_size = "sentencepiece", 32_000
+    cfg.data.require_path = True  # a real corpus (prepare_data.py); checked when the data loads, not on compile
     o = cfg.optim
     o.lr, o.warmup_steps, o.min_lr_ratio, o.b1, o.b2, o.weight_decay, o.grad_clip = 4e-4, 1000, 0.1, 0.9, 0.95, 0.1, 1.0
     cfg.mesh.replicas = 2

@@ -101,6 +101,21 @@ def test_text_file_input(tmp_path):
     assert tok.decode(td.train_tokens) == text and tok.decode(td.eval_tokens) == _lines(10, "h")
 
 
+def test_text_input_with_an_existing_sentencepiece_model(tmp_path):
+    pytest.importorskip("sentencepiece")
+    path = tmp_path / "corpus.txt"
+    path.write_text(_lines(300, "x"))
+    model = tmp_path / "tok.model"
+    tok = data.SentencePieceTokenizer.train([_lines(200, "y")], 300, model)
+    td = data.load_data(path, tokenizer="sentencepiece", vocab_size=300, sp_model=model)  # loaded, not trained
+    assert td.vocab_size == 300 and td.tokenizer.proto == tok.proto
+    np.testing.assert_array_equal(td.train_tokens, tok.encode(td.corpus.train_text))
+    with pytest.raises(ValueError, match="has a vocabulary of 300, not the 512 asked for.*data.sp_vocab_size=300"):
+        data.load_data(path, tokenizer="sentencepiece", vocab_size=512, sp_model=model)
+    with pytest.raises(FileNotFoundError, match="missing.model does not exist"):
+        data.load_data(path, tokenizer="sentencepiece", vocab_size=300, sp_model=tmp_path / "missing.model")
+
+
 def test_directory_input_splits_whole_files(tmp_path):
     for i in range(20):
         (tmp_path / f"work{i:02d}.txt").write_text(_lines(20, f"w{i:02d}"))

@@ -41,11 +41,24 @@ class MeshFields:
 
 @dataclasses.dataclass
 class DataFields:
+    """Where the tokens come from (``loco_jax.training.data``, ``loco_jax.training.shards``).
+
+    ``path``: None (the Shakespeare demo corpus), a text file or directory of ``.txt`` files, a token file
+    (``.npy``, ``.u16.bin``, ``.u32.bin``), or a shard directory written by ``prepare_data.py``, whose
+    manifest's tokenizer must match ``tokenizer``, ``sp_vocab_size`` and (when set) ``sp_model``.
+    ``sp_model``: an existing SentencePiece model file; text is encoded with it instead of a model trained
+    at start, and shards must have been made with it (same SHA-256). ``require_path``: refuse to load
+    data without ``path`` (recipes sized for a real corpus; checked when the data is loaded, so tools
+    that only compile such a config keep working). None is False (older runs' config.json lack it).
+    """
+
     path: str | None = None  # None: the Shakespeare corpus
     tokenizer: str = "byte"  # "byte" or "sentencepiece"
     sp_vocab_size: int = 1024
     cache_dir: str | None = None
     seed: int = 0
+    sp_model: str | None = None  # an existing SentencePiece model file (e.g. <shards>/tokenizer.model)
+    require_path: bool | None = None  # True: refuse to start without data.path
 
 
 @dataclasses.dataclass
@@ -296,6 +309,14 @@ def validate(cfg: Config):
         raise ValueError(f"elastic_inner_state={cfg.elastic_inner_state!r} must be 'copy' or 'reset'.")
     if cfg.data.tokenizer not in ("byte", "sentencepiece"):
         raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} must be 'byte' or 'sentencepiece'.")
+    if cfg.data.sp_model is not None and cfg.data.tokenizer != "sentencepiece":
+        raise ValueError(
+            f"data.sp_model={cfg.data.sp_model!r} is a SentencePiece model, but data.tokenizer={cfg.data.tokenizer!r}; "
+            "set data.tokenizer=sentencepiece (or unset data.sp_model)."
+        )
+    if not isinstance(cfg.data.sp_vocab_size, int) or isinstance(cfg.data.sp_vocab_size, bool) or (
+            cfg.data.sp_vocab_size < 1):
+        raise ValueError(f"data.sp_vocab_size={cfg.data.sp_vocab_size!r} must be a positive integer.")
     for section in RESOLVED_FIELDS:
         node, lib = getattr(cfg, section), _library(section)
         if node.preset not in lib.PRESETS:

@@ -45,7 +45,10 @@ tokenized into one long token stream per split.
 User data (``data.path``)
 =========================
 * a ``.txt`` file, or any file that is not recognised below: UTF-8 text;
-* a directory: every ``*.txt`` file in it (not recursive), sorted by name;
+* a directory holding ``manifest.json``: token shards written by ``prepare_data.py``
+  (:mod:`loco_jax.training.shards`: memory-mapped, with their own eval split and the tokenizer they
+  were made with, checked against the config's);
+* any other directory: every ``*.txt`` file in it (not recursive), sorted by name;
 * ``*.npy``: a 1-D array of ``uint16`` or ``uint32`` token ids (memory-mapped);
 * ``*.bin``: raw little-endian token ids, dtype from the suffix
   ``*.u16.bin`` / ``*.u32.bin`` or given explicitly (``token_dtype``);
@@ -396,7 +399,11 @@ def text_corpus(
     if path.is_dir():
         files = sorted(p for p in path.glob("*.txt") if p.is_file())
         if not files:
-            raise ValueError(f"data directory {path} holds no .txt files.")
+            raise ValueError(
+                f"data directory {path} holds no .txt files and no manifest.json of token shards; point data.path "
+                "at a text file, a directory of .txt files, or shards made with `python prepare_data.py --input "
+                "YOUR_TEXT --output DIR`."
+            )
         works = {p.stem: _decode(p.read_bytes()) for p in files}
         works = {k: v for k, v in works.items() if v.strip()}
         if not works:
@@ -425,6 +432,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int | None = None) -> list[np.ndarray]:
+        """``[encode(t) for t in texts]`` (``num_threads`` is accepted for the same call as SentencePiece's)."""
+        return [self.encode(t) for t in texts]
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids).reshape(-1)
@@ -539,9 +550,20 @@ class SentencePieceTokenizer:
                 os.replace(tmp, dest)
         return tok
 
+    @property
+    def proto(self) -> bytes:
+        """The serialized model (what ``load`` reads back; its SHA-256 identifies the tokenizer)."""
+        return self._proto
+
     def encode(self, text: str) -> np.ndarray:
         dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
         return np.asarray(self._sp.encode(text), dtype=dtype)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int | None = None) -> list[np.ndarray]:
+        """``[encode(t) for t in texts]``, encoded by ``num_threads`` SentencePiece threads (None: all cores)."""
+        dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
+        ids = self._sp.encode(list(texts), num_threads=-1 if num_threads is None else int(num_threads))
+        return [np.asarray(i, dtype=dtype) for i in ids]
 
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
@@ -643,7 +665,11 @@ def load_tokens(path: str | os.PathLike, *, dtype=None, vocab_size: int | None =
 
 @dataclasses.dataclass(frozen=True)
 class TokenData:
-    """Train and eval token streams (1-D), their vocabulary, and where they came from."""
+    """Train and eval token streams (1-D), their vocabulary, and where they came from.
+
+    For a shard directory the streams are :class:`loco_jax.training.shards.ShardedTokens` (memory-mapped
+    views that index like arrays) and ``shards`` is the opened :class:`~loco_jax.training.shards.ShardSet`.
+    """
 
     train_tokens: np.ndarray
     eval_tokens: np.ndarray
@@ -651,6 +677,7 @@ class TokenData:
     tokenizer: object | None = None
     corpus: Corpus | None = None
     source: str = ""
+    shards: object | None = None
 
 
 def _encode_works(tokenizer, texts: Sequence[str]) -> np.ndarray:
@@ -669,13 +696,17 @@ def load_data(
     path: str | os.PathLike | None = None, *, tokenizer: str | object = "byte", vocab_size: int | None = None,
     token_dtype=None, eval_path: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None,
     eval_every: int = SHAKESPEARE_EVAL_EVERY, eval_fraction: float = EVAL_TAIL_FRACTION,
-    tokenizer_cache: str | os.PathLike | None = None,
+    tokenizer_cache: str | os.PathLike | None = None, sp_model: str | os.PathLike | None = None,
 ) -> TokenData:
     """Train/eval token streams for ``data.path`` (``None``: Shakespeare).
 
     Text inputs are tokenized with ``tokenizer`` (a name for :func:`get_tokenizer` or an object with
-    ``encode``/``vocab_size``); a SentencePiece model is trained on the training works only, cached at
-    ``tokenizer_cache`` (default ``<data_cache_root()>/tokenizers/spm-<digest>-<vocab>.model``).
+    ``encode``/``vocab_size``); a SentencePiece model is loaded from ``sp_model`` (its vocabulary must be
+    ``vocab_size``), else trained on the training works only and cached at ``tokenizer_cache`` (default
+    ``<data_cache_root()>/tokenizers/spm-<digest>-<vocab>.model``).
+    A directory with a ``manifest.json`` is a set of token shards (:func:`loco_jax.training.shards.open_shards`):
+    memory-mapped, split as its manifest says, and its tokenizer checked against ``tokenizer``,
+    ``vocab_size`` and ``sp_model`` (the SHA-256 of the model file) where they are given.
     Token files need ``vocab_size`` for the range check (all ids must be ``< vocab_size``); without
     ``eval_path`` their last ``eval_fraction`` is held out. With ``eval_path`` (a text file or directory for
     text inputs, a token file for token inputs) nothing of ``path`` is held out and ``eval_path`` is the
@@ -687,6 +718,15 @@ def load_data(
         p = Path(path).expanduser()
         if not p.exists():
             raise FileNotFoundError(f"data path {p} does not exist.")
+        if p.is_dir():
+            from loco_jax.training import shards  # noqa: PLC0415  (shards builds on this module)
+
+            if shards.is_shard_dir(p) or shards.holds_shard_files(p):
+                if eval_path is not None:
+                    raise ValueError(f"token shards in {p} carry their own eval split; do not pass eval_path.")
+                s = shards.open_shards(p, tokenizer=tokenizer if isinstance(tokenizer, str) else None,
+                                       vocab_size=vocab_size, sp_model=sp_model)
+                return TokenData(s.train, s.eval, s.vocab_size, None, None, str(p), s)
         if p.is_file() and is_token_file(p):
             tokens = load_tokens(p, dtype=token_dtype, vocab_size=vocab_size)
             if eval_path is not None:
@@ -711,6 +751,13 @@ def load_data(
     if isinstance(tokenizer, str):
         if tokenizer.lower() == "byte":
             tok = ByteTokenizer()
+        elif sp_model is not None:
+            tok = SentencePieceTokenizer.load(Path(sp_model).expanduser())
+            if vocab_size is not None and vocab_size != tok.vocab_size:
+                raise ValueError(
+                    f"SentencePiece model {sp_model} has a vocabulary of {tok.vocab_size}, not the {vocab_size} asked "
+                    f"for (data.sp_vocab_size); set data.sp_vocab_size={tok.vocab_size}."
+                )
         else:
             if vocab_size is None:
                 raise ValueError(f"tokenizer {tokenizer!r} needs vocab_size.")
@@ -805,11 +852,15 @@ def sample_starts(num_tokens: int, samples, *, seq_len: int, seed: int) -> np.nd
     return starts
 
 
-def _gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+def _gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int, announce: bool = True):
     if len(starts) == 0:
         empty = np.zeros((0, seq_len), np.int32)
         return empty, empty.copy()
-    windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)]).astype(np.int32)
+    take = getattr(tokens, "windows", None)  # token shards read each window as slices of its shard(s)
+    if take is not None:
+        windows = take(starts, seq_len + 1, announce=announce).astype(np.int32)
+    else:
+        windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)]).astype(np.int32)
     return windows[:, :-1], windows[:, 1:]
 
 
@@ -854,8 +905,9 @@ class Batcher:
 
     ``next_batch(B)`` returns global samples ``[pos, pos + B)`` (or this process's rows of them) and
     advances ``pos`` by ``B``. ``state()`` is ``{"next_sample", "seq_len", "seed", "num_tokens"}``
-    (JSON-serializable); ``restore`` checks that the last three match, so a restart reads the same
-    samples whatever the device or process count.
+    (JSON-serializable; token shards add ``"fingerprint"``, a digest of their files' names, sizes and
+    SHA-256s); ``restore`` checks that the others match, so a restart reads the same samples whatever the
+    device or process count, and refuses shards re-made with other contents.
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, seed: int = 0, next_sample: int = 0):
@@ -866,6 +918,7 @@ class Batcher:
         if next_sample < 0:
             raise ValueError("next_sample must be >= 0.")
         self.next_sample = int(next_sample)
+        self._announced = None  # ((first sample, count), starts) of the rows the last next_batch announced
 
     @property
     def epoch(self) -> float:
@@ -879,23 +932,51 @@ class Batcher:
 
     def next_batch(self, global_batch: int, *, process_index: int = 0, num_processes: int = 1):
         """(inputs, targets) int32 ``[global_batch // num_processes, seq_len]``: this process's rows of the
-        next global batch (all of it with one process); the position advances by ``global_batch``."""
+        next global batch (all of it with one process); the position advances by ``global_batch``.
+
+        Over token shards the rows of the batch after it are announced to the kernel before returning
+        (``ShardedTokens.prefetch``), so their reads from storage overlap the step that uses this one.
+        """
         if global_batch < 1:
             raise ValueError(f"global batch must be >= 1, got {global_batch}.")
         rows = process_rows(global_batch, process_index, num_processes)
-        out = self.read(self.next_sample + rows.start, rows.stop - rows.start)
+        first, count = self.next_sample + rows.start, rows.stop - rows.start
+        announced = self._announced is not None and self._announced[0] == (first, count)
+        starts = self._announced[1] if announced else self._starts(first, count)
+        out = _gather(self.tokens, starts, self.seq_len, announce=not announced)
         self.next_sample += global_batch
+        self._announced = None
+        prefetch = getattr(self.tokens, "prefetch", None)  # token shards: start reading the next batch's rows
+        if prefetch is not None:
+            first = self.next_sample + rows.start
+            starts = self._starts(first, count)
+            prefetch(starts, self.seq_len + 1)
+            self._announced = ((first, count), starts)
         return out
 
+    def _starts(self, first: int, count: int) -> np.ndarray:
+        return sample_starts(len(self.tokens), np.arange(first, first + count), seq_len=self.seq_len, seed=self.seed)
+
     def state(self) -> dict:
-        return {"next_sample": self.next_sample, "seq_len": self.seq_len, "seed": self.seed,
-                "num_tokens": int(len(self.tokens))}
+        out = {"next_sample": self.next_sample, "seq_len": self.seq_len, "seed": self.seed,
+               "num_tokens": int(len(self.tokens))}
+        fingerprint = getattr(self.tokens, "fingerprint", None)
+        if fingerprint:
+            out["fingerprint"] = fingerprint
+        return out
 
     def restore(self, state: dict) -> "Batcher":
         for key, mine in (("seq_len", self.seq_len), ("seed", self.seed), ("num_tokens", len(self.tokens))):
             if key in state and int(state[key]) != mine:
                 raise ValueError(f"data state was saved with {key}={state[key]}, this batcher has {key}={mine}; "
                                  "restoring it would read different samples.")
+        mine = getattr(self.tokens, "fingerprint", None)
+        if "fingerprint" in state and mine and state["fingerprint"] != mine:
+            raise ValueError(
+                f"data state was saved over token shards with fingerprint {state['fingerprint']}, these shards have "
+                f"{mine}: the shard files changed (re-made with other contents?), so restoring would read different "
+                "samples. Point data.path at the shards the run started with, or start a new --workdir."
+            )
         nxt = int(state["next_sample"])
         if nxt < 0:
             raise ValueError("next_sample must be >= 0.")

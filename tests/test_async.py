@@ -11,7 +11,7 @@ already live in host memory), hence the counter.
     python tests/test_async.py CONFIG WORKDIR COORDINATOR NUM_PROCESSES PROCESS_ID
 
 runs one process of a multi-process run with the counter and prints its
-counts as JSON (used by ``test_two_processes_read_nothing_on_quiet_steps``).
+counts as JSON (used by ``tests/test_trainer.py::test_two_processes_match_one_process_and_read_nothing_on_quiet_steps``).
 """
 
 import collections
@@ -26,7 +26,7 @@ from jax._src.array import ArrayImpl
 from loco_jax import trainer
 from loco_jax.training import loop
 from loco_jax.training.trainer import Trainer
-from tests.test_trainer import _env, _free_port, _train_cmd, quiet, small_config, text_file, write_config_file  # noqa: F401
+from tests.test_trainer import quiet, small_config, text_file  # noqa: F401
 
 CONVERSIONS = ("__array__", "__float__", "__int__", "__bool__", "__index__", "item", "tolist")
 
@@ -69,16 +69,14 @@ def sync_steps(cfg):
             if t % cfg.log_every == 0 or t % cfg.eval_every == 0 or t % cfg.checkpoint_every == 0 or t == cfg.steps}
 
 
-def _quiet_reads(by_step, cfg):
+def quiet_reads(by_step, cfg):
     return {t: n for t, n in by_step.items() if t and t not in sync_steps(cfg)}
 
 
-# Streaming DiLoCo with overlap 1 (small_config's H 6, P 3: sends at 7, 9, 11, applies a step later) runs in
-# test_two_processes_read_nothing_on_quiet_steps.
-RUNS = {
-    "data_parallel": {"mesh.replicas": 1, "diloco.enabled": False},
-    "streaming_overlap2": {"diloco.overlap": 2, "diloco.sync_every": 9, "steps": 14},  # sends 10, 13; applies 11
-}
+# Streaming DiLoCo: with overlap 1 in-process in tests/test_faults.py's clean run (exchange steps 7, 9 and 11
+# quiet), with overlap 2 in two processes in
+# tests/test_trainer.py::test_two_processes_match_one_process_and_read_nothing_on_quiet_steps.
+RUNS = {"data_parallel": {"mesh.replicas": 1, "diloco.enabled": False}}
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -88,7 +86,7 @@ def test_quiet_steps_read_nothing_from_the_device(name, text_file, tmp_path, mon
     summary = trainer.train_and_evaluate(cfg, str(tmp_path), log=quiet)
     monkeypatch.undo()
     assert reads.step == cfg.steps and summary["last_step"] == cfg.steps
-    assert _quiet_reads(reads.by_step, cfg) == {}, f"host reads on quiet steps: {dict(reads.by_step)}"
+    assert quiet_reads(reads.by_step, cfg) == {}, f"host reads on quiet steps: {dict(reads.by_step)}"
     assert all(reads.by_step[t] > 0 for t in sync_steps(cfg)), dict(reads.by_step)  # the counter sees reads
     if name == "data_parallel":  # the logged loss is the mean over the interval, not the last step's
         per_step = str(tmp_path / "per_step")
@@ -108,25 +106,7 @@ def test_counter_catches_a_read_on_a_quiet_step(text_file, tmp_path, monkeypatch
     monkeypatch.setattr(Trainer, "phase", lambda self, step: (int(self.schedule(step)), phase(self, step))[1])
     trainer.train_and_evaluate(cfg, str(tmp_path), log=quiet)
     monkeypatch.undo()
-    assert set(_quiet_reads(reads.by_step, cfg)) == set(range(1, cfg.steps + 1)) - sync_steps(cfg)
-
-
-def test_two_processes_read_nothing_on_quiet_steps(text_file, tmp_path):  # noqa: F811
-    import subprocess
-
-    cfg = small_config(text_file, log_every=4, eval_every=12, checkpoint_every=6,
-                       **{"loco.bits": "None", "diloco.bits": "None"})
-    config_path = write_config_file(tmp_path / "cfg.py", cfg)
-    port, workdir = _free_port(), str(tmp_path / "run")
-    procs = [subprocess.Popen([sys.executable, __file__, config_path, workdir, f"localhost:{port}", "2", str(i)],
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
-    for out in outs:
-        by_step = {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
-        assert _quiet_reads(by_step, cfg) == {}, by_step
-        assert max(by_step) == cfg.steps
+    assert set(quiet_reads(reads.by_step, cfg)) == set(range(1, cfg.steps + 1)) - sync_steps(cfg)
 
 
 def _main(config_path, workdir, coordinator, num_processes, process_id):

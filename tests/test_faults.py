@@ -29,6 +29,7 @@ from jax import lax
 from loco_jax import model as model_lib
 from loco_jax import diloco, specs, trainer
 from loco_jax.training import steps
+from tests import test_async
 from tests.test_trainer import small_config, text_file  # noqa: F401  (text_file: a fixture)
 
 BAD_STEP = 9  # Streaming DiLoCo (H 6, P 3, tau 1) sends fragment 1 at step 9: an exchange step
@@ -129,10 +130,16 @@ def _assert_finite(tree):
 
 @pytest.fixture(scope="module")
 def clean_reference(text_file, tmp_path_factory):  # noqa: F811
-    """The same run with no fault, and the initial global parameters."""
+    """The same run with no fault, and the initial global parameters.
+
+    It also counts host reads of device arrays (tests/test_async.py): Streaming DiLoCo with overlap 1
+    reads nothing on a quiet step (1, 3, 5, 7, 9, 11: exchange steps 7, 9 and 11 among them)."""
     monkeypatch = pytest.MonkeyPatch()
     cfg = small_config(text_file)
+    reads = test_async.HostReads().install(monkeypatch)
     summary, _ = _run(monkeypatch, cfg, tmp_path_factory.mktemp("clean"))
+    assert test_async.quiet_reads(reads.by_step, cfg) == {}, dict(reads.by_step)
+    assert reads.step == cfg.steps and all(reads.by_step[t] for t in test_async.sync_steps(cfg))
     t = trainer.Trainer(cfg, str(tmp_path_factory.mktemp("init")))
     return summary, _host(diloco.global_params(t.init_state().opt_state)), t.tx.plan(model_lib.abstract_params(t.mcfg))
 

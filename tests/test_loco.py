@@ -333,6 +333,7 @@ def _nan_step_runner(mesh, tx, params):
     state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
     g = gaussian((M, M * 256), seed=7)
     _, state = update(params, {"w": put(mesh, g.reshape(-1), P("data"))}, state)  # one good step first
+    g = g.copy()  # a CPU device_put may alias the NumPy buffer, and the first step may not have run yet
     g[3, 11] = np.nan  # device 3 only
     new_params, after = update(params, {"w": put(mesh, g.reshape(-1), P("data"))}, state)
     return jax.tree.map(np.asarray, state), np.asarray(new_params["w"]), jax.tree.map(np.asarray, after)

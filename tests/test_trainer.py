@@ -143,7 +143,10 @@ def _train_cmd(config_path, workdir, *extra):
 
 
 def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    # the test session's compilation cache (conftest.py): a subprocess compiling the same programs loads them
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(jax.config.jax_persistent_cache_min_compile_time_secs))
     env.pop("XLA_FLAGS", None)  # each process sets its own device count
     return env
 
@@ -167,24 +170,32 @@ def test_sigterm_checkpoints_and_exits_cleanly(text_file, tmp_path):
     assert saved and 4 <= max(saved) < 400
 
 
-def test_two_processes_match_one_process(text_file, tmp_path):
-    """replica across 2 processes (gloo, 4 CPU devices each) against one 8-device process; fp32 exchange."""
-    cfg = small_config(text_file, **{"loco.bits": "None", "diloco.bits": "None"})
+def test_two_processes_match_one_process_and_read_nothing_on_quiet_steps(text_file, tmp_path):
+    """replica across 2 processes (gloo, 4 CPU devices each) against one 8-device process; fp32 exchange.
+
+    Streaming DiLoCo with overlap 2 (H 9, P 3: fragment 0 sent at step 10 and applied at 11, fragment 1 sent
+    at 13). Each process counts its host reads of device arrays (tests/test_async.py): none on a quiet
+    step (the odd ones, exchange steps 11 and 13 included)."""
+    from tests import test_async
+
+    cfg = small_config(text_file, steps=14, **{"loco.bits": "None", "diloco.bits": "None", "diloco.overlap": 2,
+                                               "diloco.sync_every": 9})
     config_path = write_config_file(tmp_path / "cfg.py", cfg)
     single = str(tmp_path / "single")
     subprocess.run(_train_cmd(config_path, single), env=_env(), check=True, capture_output=True, timeout=600)
     multi = str(tmp_path / "multi")
     port = _free_port()
     procs = [
-        subprocess.Popen(
-            _train_cmd(config_path, multi, "--coordinator", f"localhost:{port}", "--num-processes", "2",
-                       "--process-id", str(i), "--local-devices", "4"),
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
+        subprocess.Popen([sys.executable, test_async.__file__, config_path, multi, f"localhost:{port}", "2", str(i)],
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    for out in outs:
+        by_step = {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+        assert test_async.quiet_reads(by_step, cfg) == {}, by_step
+        assert max(by_step) == cfg.steps and all(by_step.get(t) for t in test_async.sync_steps(cfg)), by_step
     a, b = trainer.read_metrics(single), trainer.read_metrics(multi)
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from loco_jax import collectives, quant
 from tests.helpers import put
 
-SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BLOCK = 64
 
 
@@ -138,7 +138,7 @@ def test_quantized_psum_bound_shape_dtype_any_input(data_mesh, shape, dtype, mod
     assert np.all(np.abs(got[0] - exact) <= tol + 1e-44)
 
 
-FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each shape compiles anew
+FEW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each shape compiles anew
 
 
 @FEW

@@ -243,3 +243,11 @@ def _get(d, dotted):
         d = d.get(part) if isinstance(d, dict) else None
     return d
 
+
+def restore_step(manager, step, trainer, log):
+    """(state, meta) of checkpoint ``step``: restored directly on the mesh it was written on, by
+    :func:`restore_elastic` on another one (a checkpoint that records no mesh must fit this one)."""
+    saved_mesh = read_meta(manager, step).get("mesh")
+    if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"]) != (trainer.m, trainer.d):
+        return restore_elastic(manager, step, trainer, saved_mesh, log)
+    return restore(manager, step, trainer, mesh_recorded=saved_mesh is not None)

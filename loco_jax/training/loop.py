@@ -33,7 +33,7 @@ from loco_jax.training import config as config_lib
 from loco_jax.training import mesh as mesh_lib
 from loco_jax.training import model as model_lib
 from loco_jax.training.checkpoints import (
-    check_resume_config, checkpoint_manager, read_meta, restore, restore_elastic, save, saved_config,
+    check_resume_config, checkpoint_manager, restore_step, save, saved_config,
 )
 from loco_jax.training.sample import print_samples
 from loco_jax.training.metrics import Progress, emit, metrics_path, plot, summary_table, truncate_metrics, write_atomic
@@ -77,11 +77,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=emit, stop_afte
     if latest is None:
         state = trainer.init_state()
     else:
-        saved_mesh = read_meta(manager, latest).get("mesh")
-        if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"]) != (trainer.m, trainer.d):
-            state, meta = restore_elastic(manager, latest, trainer, saved_mesh, log)
-        else:
-            state, meta = restore(manager, latest, trainer, mesh_recorded=saved_mesh is not None)
+        state, meta = restore_step(manager, latest, trainer, log)
         start, data_state, bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
         log(f"resumed from checkpoint at step {start}")
     batches = trainer.dataset.train_iterator(seed=cfg.data.seed, state=data_state)

@@ -298,7 +298,7 @@ def restore_latest(trainer, workdir: str, log=print):
     """(state, meta) of the workdir's latest checkpoint, restored as the loop restores a run: on the mesh
     it was written on directly, on another mesh by the elastic restore. Raises ``FileNotFoundError``
     when orbax finds no complete checkpoint."""
-    from loco_jax.training.checkpoints import checkpoint_manager, read_meta, restore, restore_elastic
+    from loco_jax.training.checkpoints import checkpoint_manager, restore_step
 
     latest_checkpoint_step(workdir)  # before the manager, which would create checkpoints/
     manager = checkpoint_manager(workdir, trainer.cfg.keep_checkpoints)
@@ -306,10 +306,7 @@ def restore_latest(trainer, workdir: str, log=print):
         latest = manager.latest_step()
         if latest is None:
             raise FileNotFoundError(f"no complete checkpoint in {os.path.join(workdir, 'checkpoints')}.")
-        saved_mesh = read_meta(manager, latest).get("mesh")
-        if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"]) != (trainer.m, trainer.d):
-            return restore_elastic(manager, latest, trainer, saved_mesh, log)
-        return restore(manager, latest, trainer, mesh_recorded=saved_mesh is not None)
+        return restore_step(manager, latest, trainer, log)
     finally:
         manager.close()
 

@@ -68,9 +68,11 @@ class Bucket(NamedTuple):
 
     ``scatter=False``: leaves are flattened and concatenated into one vector,
     padded, and viewed as ``(rows, cols)`` (row j is chunk j of the vector).
-    ``scatter=True``: each leaf is viewed as ``(rows, size / rows)`` (row j is
-    the leaf's j-th dim-0 shard) and the views are concatenated along axis 1,
-    so every row holds exactly one device's shard of every leaf.
+    ``scatter=True``: each leaf is split on its shard dimension ``dims[i]``
+    (default 0) and viewed as ``(rows, size / rows)`` with row j the leaf's
+    j-th shard on that dimension (``moveaxis(leaf, dims[i], 0)`` flattened);
+    the views are concatenated along axis 1, so every row holds exactly one
+    device's shard of every leaf.
     """
 
     rows: int
@@ -80,6 +82,7 @@ class Bucket(NamedTuple):
     dtypes: tuple
     treedef: Any
     scatter: bool
+    dims: tuple = ()  # scatter=True: the dimension each leaf is sharded on
 
 
 def _round_up(n, multiple):
@@ -109,10 +112,12 @@ def bucket_cols(sizes, rows, block_size, *, scatter=False, pad_multiple=1) -> in
     return max(_round_up(used, unit), unit)
 
 
-def make_bucket(leaves_or_tree, rows, block_size, *, scatter=False, pad_multiple=1):
+def make_bucket(leaves_or_tree, rows, block_size, *, scatter=False, pad_multiple=1, dims=None):
     """Lays a pytree out as an fp32 ``(rows, cols)`` array; returns ``(array, Bucket)``.
 
-    ``cols`` is padded to a multiple of ``block_size * pad_multiple``.
+    ``cols`` is padded to a multiple of ``block_size * pad_multiple``. With
+    ``scatter=True``, ``dims`` (one int per leaf, default all 0) names the
+    dimension each leaf is sharded on; it must be a multiple of ``rows``.
     """
     leaves, treedef = jax.tree.flatten(leaves_or_tree)
     for leaf in leaves:
@@ -124,23 +129,24 @@ def make_bucket(leaves_or_tree, rows, block_size, *, scatter=False, pad_multiple
     shapes = tuple(leaf.shape for leaf in leaves)
     sizes = tuple(int(math.prod(s)) for s in shapes)
     dtypes = tuple(leaf.dtype for leaf in leaves)
+    dims = tuple(dims) if dims is not None else (0,) * len(leaves) if scatter else ()
     if scatter:
-        for leaf in leaves:
-            if leaf.ndim == 0 or leaf.shape[0] % rows:
+        for leaf, dim in zip(leaves, dims):
+            if not 0 <= dim < max(leaf.ndim, 1) or leaf.ndim == 0 or leaf.shape[dim] % rows:
                 raise ValueError(
-                    f"reduce='scatter' shards every leaf on dim 0 over {rows} devices, but a leaf has shape "
-                    f"{leaf.shape}; its dim 0 must be a multiple of {rows}."
+                    f"reduce='scatter' shards a leaf of shape {leaf.shape} on dim {dim} over {rows} devices; "
+                    f"that dimension must exist and be a multiple of {rows} (shard another dimension, or pad it)."
                 )
     cols = bucket_cols(sizes, rows, block_size, scatter=scatter, pad_multiple=pad_multiple)
     if scatter:
-        parts = [leaf.astype(jnp.float32).reshape(rows, -1) for leaf in leaves]
+        parts = [jnp.moveaxis(leaf.astype(jnp.float32), dim, 0).reshape(rows, -1) for leaf, dim in zip(leaves, dims)]
         used = sum(sizes) // rows
         array = jnp.concatenate(parts + [jnp.zeros((rows, cols - used), jnp.float32)], axis=1)
     else:
         flat = jnp.concatenate([leaf.astype(jnp.float32).reshape(-1) for leaf in leaves]) if leaves else jnp.zeros((0,))
         flat = jnp.pad(flat, (0, rows * cols - flat.shape[0]))
         array = flat.reshape(rows, cols)
-    return array, Bucket(rows, cols, sizes, shapes, dtypes, treedef, scatter)
+    return array, Bucket(rows, cols, sizes, shapes, dtypes, treedef, scatter, dims)
 
 
 def unbucket(array, bucket: Bucket):
@@ -153,12 +159,24 @@ def unbucket(array, bucket: Bucket):
     return jax.tree.unflatten(bucket.treedef, leaves)
 
 
-def unbucket_shard(row, bucket: Bucket):
-    """One device's dim-0 shard of every leaf from its row (``scatter=True`` layout)."""
+def shard_shape(shape, dim, parts):
+    """The shape of one of ``parts`` equal shards of ``shape`` split on ``dim``."""
+    return tuple(n // parts if i == dim else n for i, n in enumerate(shape))
+
+
+def unbucket_shard(row, bucket: Bucket, dtype=None):
+    """One device's shard of every leaf (on its ``bucket.dims`` dimension) from its row (``scatter=True``).
+
+    ``dtype``: the shards' dtype (default each leaf's own).
+    """
     leaves, start = [], 0
-    for size, shape, dtype in zip(bucket.sizes, bucket.shapes, bucket.dtypes):
+    dims = bucket.dims or (0,) * len(bucket.shapes)
+    for size, shape, leaf_dtype, dim in zip(bucket.sizes, bucket.shapes, bucket.dtypes, dims):
         n = size // bucket.rows
-        leaves.append(row[start : start + n].reshape((shape[0] // bucket.rows,) + tuple(shape[1:])).astype(dtype))
+        local = shard_shape(shape, dim, bucket.rows)
+        moved = (local[dim],) + local[:dim] + local[dim + 1:]
+        piece = jnp.moveaxis(row[start : start + n].reshape(moved), 0, dim)
+        leaves.append(piece.astype(leaf_dtype if dtype is None else dtype))
         start += n
     return jax.tree.unflatten(bucket.treedef, leaves)
 

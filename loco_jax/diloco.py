@@ -318,7 +318,11 @@ def diloco(
         k = [slice_len(s, d, m) for s in plan.fragment_sizes()]
         device_axes = coll.manual_axes()
         held = max(k) if overlap >= 2 else 1  # only tau >= 2 holds a mean across steps (1: orbax saves no empty array)
-        inflight = coll.to_varying(jnp.zeros((held,), jnp.float32), tuple(a for a in (data_axis,) if a in device_axes))
+        # the slot holds this device's slice: varying over the sliced axis, and over any axis the parameters
+        # themselves vary over besides the replica axis (FSDP shards)
+        slot_axes = set(a for a in (data_axis,) if a in device_axes)
+        slot_axes |= set().union(*(coll.varying_axes(x) for x in jax.tree.leaves(params))) - {axis_name}
+        inflight = coll.to_varying(jnp.zeros((held,), jnp.float32), tuple(a for a in device_axes if a in slot_axes))
         error, error_scale = (), ()
         if compensate and bits is not None:
             stored = [

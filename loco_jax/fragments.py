@@ -113,6 +113,11 @@ def _block_of(path):
     return None, None
 
 
+def is_stacked(path) -> bool:
+    """Whether the leaf at ``path`` is a scanned stack (its dim 0 is the layer axis), by the rules above."""
+    return _block_of(path)[0] == "scanned"
+
+
 def _shape(leaf) -> tuple[int, ...]:
     return tuple(int(d) for d in (leaf.shape if hasattr(leaf, "shape") else np.shape(leaf)))
 

@@ -48,12 +48,16 @@ act). To skip the *whole* chain (no Adam moment decay on a skipped step),
 wrap it: ``loco.skip_nonfinite(optax.chain(loco.compress(), optax.adamw(...)))``.
 
 FSDP (``reduce="scatter"``): the input is full-shape local gradients (taken
-with respect to the gathered parameters), the output is each leaf's dim-0
-shard of the mean (``tiled``), so the next transformations see shard-shaped
-updates for shard-shaped parameters. ``init`` receives the shard-shaped
-parameters and allocates the full-size error buffer. Only the all-to-all
-stage runs. The full gradient is still held during the step: this is ZeRO-2
-memory, not full FSDP.
+with respect to the gathered parameters), the output is each leaf's shard of
+the mean (``tiled``) on the dimension ``shard_dims`` names for it (default
+dim 0; :mod:`loco_jax.fsdp` picks one that is not a scanned stack's layer
+axis), in fp32 (or the gradient's dtype if wider), so the next
+transformations see shard-shaped updates for shard-shaped parameters.
+``init`` receives the shard-shaped parameters and allocates the full-size
+error buffer (``error_bits`` per value: this buffer is not sharded). Only the
+all-to-all stage runs. The full local gradient exists during the step (it is
+the input); ``bucket_size`` bounds the fp32 working copies to one bucket at a
+time.
 
 The shard_map recipe: see the README. In short, ``init`` and ``update`` run
 inside ``shard_map``; with ``check_vma=True`` cast replicated parameters to
@@ -222,6 +226,7 @@ def compress(
     nonfinite: str = "skip",
     bucket_size: int | None = None,
     preset: str = "measured",
+    shard_dims=None,
 ) -> optax.GradientTransformation:
     """LoCo: averages gradients over ``axis_name`` in ``bits`` bits, compensating the error.
 
@@ -266,6 +271,9 @@ def compress(
       bucket_size: at most this many values per bucket (whole leaves); ``None``
         sends the whole tree as one bucket.
       preset: where the ``None`` settings come from: ``"measured"`` or ``"reference"``.
+      shard_dims: ``reduce="scatter"`` only: a pytree of ints with the
+        gradients' structure, the dimension each leaf's shard is cut on
+        (``None``: dim 0 of every leaf); see :func:`loco_jax.fsdp.shard_dims`.
 
     Returns:
       An ``optax.GradientTransformation``; ``init`` and ``update`` run inside
@@ -284,6 +292,8 @@ def compress(
             "compensate_second_stage=True needs the two-stage all-reduce with compensation: "
             "bits set, compensate=True, mode='two_stage' and reduce='mean'."
         )
+    if shard_dims is not None and reduce != "scatter":
+        raise ValueError(f"shard_dims is for reduce='scatter' (FSDP); reduce={reduce!r} returns full-shape means.")
     quantized = bits is not None
     keep_error = quantized and compensate
     cfg = coll.QuantConfig(bits or 8, block_size, format, rotate, seed)
@@ -323,17 +333,49 @@ def compress(
                 error2_scale.append(scales)
         return CompressState(count, count, key, tuple(error), tuple(error_scale), tuple(error2), tuple(error2_scale))
 
-    def _exact(leaves, m):
+    def _dims(treedef, leaves, params, m):
+        """Per leaf, the dimension its shard is cut on (scatter), checked against the gradients and params."""
+        if shard_dims is None:
+            dims = [0] * len(leaves)
+        else:
+            dims_leaves, dims_def = jax.tree.flatten(shard_dims)
+            if dims_def != treedef:
+                raise ValueError(
+                    f"loco.compress: shard_dims has structure {dims_def}, but the gradients have {treedef}; give one "
+                    "int per gradient leaf."
+                )
+            dims = [int(d) for d in dims_leaves]
+        param_leaves = None if params is None else jax.tree.leaves(params)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, leaves))[0]]
+        for i, (leaf, dim) in enumerate(zip(leaves, dims)):
+            if leaf.ndim == 0 or not 0 <= dim < leaf.ndim or leaf.shape[dim] % m:
+                raise ValueError(
+                    f"loco.compress(reduce='scatter'): gradient {paths[i]} of shape {leaf.shape} is sharded on dim "
+                    f"{dim} over {m} devices of {axis_name!r}; that dimension must exist and be a multiple of {m}."
+                )
+            want = coll.shard_shape(leaf.shape, dim, m)
+            if param_leaves is not None and tuple(param_leaves[i].shape) != want:
+                raise ValueError(
+                    f"loco.compress(reduce='scatter'): parameter {paths[i]} has shape {param_leaves[i].shape}, but the "
+                    f"gradient {leaf.shape} sharded on dim {dim} over {m} devices gives {want}; pass the shard-shaped "
+                    "parameters and the shard_dims they were cut with."
+                )
+        return dims
+
+    def _out_dtype(leaf):
+        # a reduced shard feeds the optimizer of fp32 parameters: never narrower than fp32
+        return jnp.promote_types(leaf.dtype, jnp.float32) if scatter else leaf.dtype
+
+    def _exact(leaves, m, dims):
         out = []
-        for leaf in leaves:
+        for i, leaf in enumerate(leaves):
             g = leaf.astype(jnp.float32)
             if axis_name is not None:
-                g = lax.psum_scatter(g, axis_name, scatter_dimension=0, tiled=True) / m if scatter else lax.pmean(g, axis_name)
-            out.append(g.astype(leaf.dtype))
+                g = lax.psum_scatter(g, axis_name, scatter_dimension=dims[i], tiled=True) / m if scatter else lax.pmean(g, axis_name)
+            out.append(g.astype(_out_dtype(leaf)))
         return out
 
     def update_fn(updates, state, params=None):
-        del params
         leaves, treedef = jax.tree.flatten(updates)
         for leaf in leaves:
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -344,6 +386,7 @@ def compress(
             coll.require_axis(axis_name, "loco.compress")
             _check_grads_vary(leaves, axis_name)
         m = coll.axis_size(axis_name)
+        dims = _dims(treedef, leaves, params, m) if scatter else None
         t = state.count + 1
         reset = jnp.array(False) if reset_every is None else (t % reset_every == 0)
         step_key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
@@ -352,9 +395,10 @@ def compress(
         axes = _device_axes(leaves, axis_name)
 
         new = dict(error=[], error_scale=[], error2=[], error2_scale=[])
-        out_leaves = _exact(leaves, m) if not quantized else [None] * len(leaves)
+        out_leaves = _exact(leaves, m, dims) if not quantized else [None] * len(leaves)
         for b, (group, _) in enumerate(_layout(leaves, m, False) if quantized else []):
-            rows, bucket = coll.make_bucket([leaves[i] for i in group], m, block_size, scatter=scatter)
+            rows, bucket = coll.make_bucket([leaves[i] for i in group], m, block_size, scatter=scatter,
+                                            dims=[dims[i] for i in group] if scatter else None)
             key1 = coll.device_key(step_key, axes, 2 * b) if stochastic_rounding else None
             key2 = coll.device_key(step_key, axes, 2 * b + 1) if stochastic_rounding else None
             rows = cfg.rotate_in(rows, b)  # identity unless rotate; errors below live in this domain
@@ -376,7 +420,7 @@ def compress(
             if scatter:
                 shard = coll.unbucket_shard(cfg.rotate_out(chunk[None], b)[0], bucket)
                 for i, leaf in zip(group, jax.tree.leaves(shard)):
-                    out_leaves[i] = leaf
+                    out_leaves[i] = leaf.astype(_out_dtype(leaves[i]))
                 continue
             if mode == "two_stage":
                 if compensate_second_stage:

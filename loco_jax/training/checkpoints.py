@@ -169,6 +169,13 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
 
     m_old, d_old = saved_mesh["replica"], saved_mesh["data"]
     cfg, mesh = trainer.cfg, trainer.mesh
+    if cfg.mesh.fsdp or saved_mesh.get("fsdp"):
+        raise ValueError(
+            f"this checkpoint was written on mesh (replica={m_old}, data={d_old}, fsdp={bool(saved_mesh.get('fsdp'))}) "
+            f"and this run has (replica={trainer.m}, data={trainer.d}, fsdp={cfg.mesh.fsdp}): an elastic restart "
+            "of an FSDP run (sharded state) is not supported. Resume it on the mesh it was written on "
+            f"(--set mesh.replicas={m_old} mesh.data={d_old} on {m_old * d_old} devices)."
+        )
     like = trainer.abstract_state()
     parts = split_by_kind(like, trainer.specs)
     old_shape = lambda a: (a.shape[0] // trainer.m * m_old,) + tuple(a.shape[1:])
@@ -198,7 +205,7 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
     state = join_by_kind({"global": restored.get("global", {}), "replica": replica, "device": device}, like)
     if cfg.diloco.enabled:
         tile = jax.jit(lambda g: jax.tree.map(lambda x: jnp.concatenate([x] * trainer.m), g),
-                       out_shardings=NamedSharding(mesh, trainer.param_spec))
+                       out_shardings=trainer.shardings(trainer.param_specs))
         state = TrainState(tile(diloco.global_params(state.opt_state)), state.opt_state)
     inner = "copied from replica 0" if cfg.elastic_inner_state == "copy" else "reset (moments zero, step counts kept)"
     log(f"elastic restart at step {step}: mesh (replica={m_old}, data={d_old}) -> (replica={trainer.m}, "
@@ -248,6 +255,7 @@ def restore_step(manager, step, trainer, log):
     """(state, meta) of checkpoint ``step``: restored directly on the mesh it was written on, by
     :func:`restore_elastic` on another one (a checkpoint that records no mesh must fit this one)."""
     saved_mesh = read_meta(manager, step).get("mesh")
-    if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"]) != (trainer.m, trainer.d):
+    if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"], bool(saved_mesh.get("fsdp"))) != (
+            trainer.m, trainer.d, trainer.cfg.mesh.fsdp):
         return restore_elastic(manager, step, trainer, saved_mesh, log)
     return restore(manager, step, trainer, mesh_recorded=saved_mesh is not None)

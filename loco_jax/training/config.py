@@ -35,8 +35,13 @@ class ModelFields:
 
 @dataclasses.dataclass
 class MeshFields:
+    """``replicas`` x ``data`` devices. ``fsdp``: shard parameters, AdamW moments and DiLoCo's global
+    parameters and outer state over the ``data`` devices of each replica (ZeRO-3, :mod:`loco_jax.fsdp`);
+    False keeps a full copy on every device (the default, best for small models)."""
+
     replicas: int = 1
     data: int | None = None  # None: every device the other axes leave
+    fsdp: bool = False
 
 
 @dataclasses.dataclass
@@ -93,6 +98,7 @@ class LocoFields:
     format: str | None = None
     rotate: bool | None = None
     preset: str = "measured"
+    bucket_size: int | None = None  # values per all-reduce bucket (whole leaves); None: one bucket
 
 
 @dataclasses.dataclass
@@ -120,6 +126,7 @@ class Config:
     steps: int = 200
     seed: int = 0
     batch_size: int = 32  # global: sequences per step over all devices
+    accum_steps: int = 1  # micro-batches per step on each device; one LoCo exchange and optimizer step per step
     seq_len: int = 128
     eval_every: int = 50
     eval_batches: int = 4
@@ -292,7 +299,8 @@ def load(path: str, assignments=()) -> Config:
 
 def validate(cfg: Config):
     """Cross-field checks that need no devices; messages name the value and what is allowed."""
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints"):
+    for name in ("steps", "batch_size", "accum_steps", "seq_len", "eval_every", "log_every", "checkpoint_every",
+                 "keep_checkpoints"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive integer.")

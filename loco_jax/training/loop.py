@@ -159,7 +159,8 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=emit, stop_afte
                 stop.requested = True  # the same step on every process: no agreement needed
             if is_ckpt or stop.requested:
                 save(manager, step, trainer, state, {"step": step, "data": data_position, "bytes_sent": bytes_so_far,
-                                                     "mesh": {"replica": trainer.m, "data": trainer.d},
+                                                     "mesh": {"replica": trainer.m, "data": trainer.d,
+                                                              "fsdp": trainer.cfg.mesh.fsdp},
                                                      "unlogged": window.host})
                 last_saved = step
             if stop.requested:
@@ -254,10 +255,13 @@ def _check_replicas_identical(trainer, state, resumed):
     """
     if not trainer.cfg.diloco.enabled or trainer.m == 1:
         return
-    tree, spec = (diloco.global_params(state.opt_state), P()) if resumed else (state.params, trainer.param_spec)
-    # max - min over replicas is exact (a pmean of identical values rounds for most replica counts)
-    gap_fn = lambda t: sum(jnp.max(lax.pmax(x, "replica") - lax.pmin(x, "replica")) for x in jax.tree.leaves(t))
-    fn = jax.jit(jax.shard_map(gap_fn, mesh=trainer.mesh, in_specs=spec, out_specs=P(), check_vma=False))
+    tree, spec = ((diloco.global_params(state.opt_state), trainer.global_param_specs) if resumed
+                  else (state.params, trainer.param_specs))
+    # max - min over replicas is exact (a pmean of identical values rounds for most replica counts); the max
+    # over data covers FSDP, where each data device compares its own shard
+    gap_fn = lambda t: lax.pmax(sum(jnp.max(lax.pmax(x, "replica") - lax.pmin(x, "replica")) for x in jax.tree.leaves(t)),
+                                "data")
+    fn = jax.jit(jax.shard_map(gap_fn, mesh=trainer.mesh, in_specs=(spec,), out_specs=P(), check_vma=False))
     gap = float(fn(tree))
     if gap != 0.0:
         what = "global" if resumed else "initial"

@@ -4,6 +4,12 @@ Streaming DiLoCo on ``replica`` when the config enables it.
 
 The step recipe of the README: parameters are cast to varying over ``data`` before ``jax.grad``, so no
 hidden fp32 psum runs; the optimizer's collectives are the only ones.
+
+FSDP (``mesh.fsdp``, :mod:`loco_jax.fsdp`): ``params`` are this device's shards; the step all-gathers the
+full parameters once, in the compute dtype, outside ``jax.grad`` (a gather inside it would transpose into
+an exact reduce-scatter of the gradient that bypasses LoCo), and ``loco.compress(reduce="scatter")``
+returns the mean gradient's shards. Gradient accumulation (``accum_steps``) sums the micro-batches'
+gradients in fp32 before the one optimizer step.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import diloco, loco, specs
+from loco_jax import diloco, fsdp, loco, specs
 from loco_jax.training import config as config_lib
 from loco_jax.training import model as model_lib
 
@@ -41,18 +47,24 @@ def learning_rate_schedule(cfg: config_lib.Config):
     )
 
 
-def make_optimizer(cfg: config_lib.Config):
-    """The step's optax transformation: LoCo (or exact mean) on ``data``, clip, AdamW; DiLoCo outside."""
+def make_optimizer(cfg: config_lib.Config, shard_dims=None):
+    """The step's optax transformation: LoCo (or exact mean) on ``data``, clip, AdamW; DiLoCo outside.
+
+    ``shard_dims`` (FSDP, :func:`loco_jax.fsdp.shard_dims`): LoCo reduce-scatters to those shards, clipping
+    takes the norm over every shard, and DiLoCo exchanges each device's own shard over ``replica``.
+    """
     o, c = cfg.optim, cfg.loco
+    sharded = shard_dims is not None
     parts = [
         loco.compress(
             c.bits, beta=c.beta, compensate=c.compensate, error_bits=c.error_bits, block_size=c.block_size,
             reset_every=c.reset_every, compensate_second_stage=c.compensate_second_stage, axis_name="data",
-            format=c.format, rotate=c.rotate, preset=c.preset, seed=cfg.seed,
+            format=c.format, rotate=c.rotate, preset=c.preset, seed=cfg.seed, bucket_size=c.bucket_size,
+            **(dict(reduce="scatter", shard_dims=shard_dims) if sharded else {}),
         )
     ]
     if o.grad_clip is not None:
-        parts.append(optax.clip_by_global_norm(o.grad_clip))
+        parts.append(fsdp.clip_by_global_norm(o.grad_clip, "data") if sharded else optax.clip_by_global_norm(o.grad_clip))
     parts.append(optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
     inner = optax.chain(*parts)
     d = cfg.diloco
@@ -62,7 +74,7 @@ def make_optimizer(cfg: config_lib.Config):
     return diloco.diloco(
         inner, sync_every=d.sync_every, outer=outer, num_fragments=d.num_fragments, overlap=d.overlap,
         alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, rotate=d.rotate, mode=d.mode,
-        block_size=d.block_size, preset=d.preset, seed=cfg.seed,
+        block_size=d.block_size, preset=d.preset, seed=cfg.seed, data_axis=None if sharded else "data",
     )
 
 
@@ -75,10 +87,39 @@ def model_config(cfg: config_lib.Config) -> model_lib.ModelConfig:
     )
 
 
-def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None):
+def loss_and_grad(mcfg, params, inputs, targets, accum_steps=1):
+    """Mean loss and its gradient over ``inputs``, in ``accum_steps`` micro-batches of equal size.
+
+    The micro-batches' gradients are summed in fp32 (the first one starts the sum, so its type is the
+    gradient's own) and divided by ``accum_steps``: the mean gradient of the whole batch.
+    """
+    grad_fn = jax.value_and_grad(lambda p, x, y: model_lib.loss_fn(mcfg, p, x, y))
+    if accum_steps == 1:
+        return grad_fn(params, inputs, targets)
+    xs, ys = (a.reshape((accum_steps, -1) + a.shape[1:]) for a in (inputs, targets))
+    loss, grads = grad_fn(params, xs[0], ys[0])
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+    def body(carry, xy):
+        loss_sum, grad_sum = carry
+        l, g = grad_fn(params, *xy)
+        return (loss_sum + l, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g)), None
+
+    (loss, grads), _ = lax.scan(body, (loss, grads), (xs[1:], ys[1:]))
+    return loss / accum_steps, jax.tree.map(lambda g: g / accum_steps, grads)
+
+
+def full_params(mcfg, params, shard_dims):
+    """The parameters the model runs on: ``params`` itself, or with FSDP the gathered shards (compute dtype)."""
+    if shard_dims is None:
+        return params
+    return fsdp.gather(params, shard_dims, "data", dtype=mcfg.cdtype)
+
+
+def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shard_dims=None, accum_steps=1):
     """One step inside ``shard_map``: loss, gradient (no hidden psum), the optimizer, new params."""
-    varying = lax.pcast(params, "data", to="varying")  # the README recipe
-    loss, grads = jax.value_and_grad(lambda p: model_lib.loss_fn(mcfg, p, inputs, targets))(varying)
+    varying = lax.pcast(full_params(mcfg, params, shard_dims), "data", to="varying")  # the README recipe
+    loss, grads = loss_and_grad(mcfg, varying, inputs, targets, accum_steps)
     extra = {} if phase is None else {"phase": phase}
     updates, opt_state = tx.update(grads, opt_state, params, **extra)
     params = optax.apply_updates(params, updates)
@@ -89,9 +130,7 @@ def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None):
     return params, opt_state, metrics
 
 
-def eval_step(mcfg, params, inputs, targets):
-    """Mean loss over the eval batch, inside ``shard_map`` (params identical everywhere)."""
-    return lax.pmean(model_lib.loss_fn(mcfg, params, inputs, targets), ("replica", "data"))
+def eval_step(mcfg, params, inputs, targets, *, shard_dims=None):
+    """Mean loss over the eval batch, inside ``shard_map`` (params identical everywhere, or FSDP shards)."""
+    return lax.pmean(model_lib.loss_fn(mcfg, full_params(mcfg, params, shard_dims), inputs, targets), ("replica", "data"))
 
-
-# ---------------------------------------------------------------------------- state layout for checkpoints

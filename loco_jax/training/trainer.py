@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import diloco, hlo, loco
+from loco_jax import diloco, fsdp, hlo, loco
 from loco_jax.training import config as config_lib
 from loco_jax.training import mesh as mesh_lib
 from loco_jax.training import model as model_lib
@@ -38,14 +38,31 @@ class Trainer:
         n_dev = self.m * self.d
         if cfg.batch_size % n_dev:
             raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {n_dev} devices of the mesh.")
+        per_device = cfg.batch_size // n_dev
+        if per_device % cfg.accum_steps:
+            raise ValueError(
+                f"accum_steps={cfg.accum_steps} must divide the {per_device} sequences each device gets per step "
+                f"(batch_size={cfg.batch_size} over {n_dev} devices); choose a divisor of {per_device}."
+            )
         self.mcfg = model_config(cfg)
-        self.tx = make_optimizer(cfg)
+        full = model_lib.abstract_params(self.mcfg)
+        # FSDP: the dimension each leaf is cut on over the data devices (refused by name before compiling)
+        self.shard_dims = fsdp.shard_dims(full, self.d) if cfg.mesh.fsdp else None
+        self.tx = make_optimizer(cfg, self.shard_dims)
+        leading = "replica" if cfg.diloco.enabled else None
+        if self.shard_dims is not None:
+            self.param_specs = fsdp.partition_specs(self.shard_dims, "data", leading=leading)
+            self.global_param_specs = fsdp.partition_specs(self.shard_dims, "data")
+            local = fsdp.local_shapes(full, self.shard_dims, self.d)
+        else:
+            self.param_specs = jax.tree.map(lambda _: P() if leading is None else P(leading), full)
+            self.global_param_specs = jax.tree.map(lambda _: P(), full)
+            local = full
         if cfg.diloco.enabled:
-            self.tx.plan(model_lib.abstract_params(self.mcfg))  # fragments checked before anything compiles
+            self.tx.plan(local)  # fragments checked before anything compiles
         self.schedule = learning_rate_schedule(cfg)
         self._dataset = None
         self._programs, self.program_bytes = {}, {}
-        self.param_spec = P("replica") if cfg.diloco.enabled else P()
 
     @property
     def dataset(self):
@@ -61,25 +78,37 @@ class Trainer:
 
     # ------------------------------------------------------------ state
 
+    def shardings(self, specs):
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+    def _tile(self, params):
+        """One block of local parameters per replica, concatenated on dim 0 (DiLoCo); else as is."""
+        if not self.cfg.diloco.enabled:
+            return params
+        return jax.tree.map(lambda x: jnp.concatenate([x] * self.m), params)
+
     def init_state(self):
-        params = model_lib.init_params(self.mcfg, jax.random.PRNGKey(self.cfg.seed))
-        if self.cfg.diloco.enabled:  # one block of local parameters per replica, concatenated on dim 0
-            params = jax.tree.map(lambda x: jnp.concatenate([x] * self.m), params)
-        params = jax.device_put(params, NamedSharding(self.mesh, self.param_spec))
+        key = jax.random.PRNGKey(self.cfg.seed)
+        if self.shard_dims is None:
+            params = self._tile(model_lib.init_params(self.mcfg, key))
+            params = jax.device_put(params, self.shardings(self.param_specs))
+        else:  # created sharded: no device ever holds the whole model
+            params = jax.jit(lambda k: self._tile(model_lib.init_params(self.mcfg, k)),
+                             out_shardings=self.shardings(self.param_specs))(key)
         state_specs = self._state_specs(params)
-        init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=self.param_spec, out_specs=state_specs))
-        self.specs = TrainState(jax.tree.map(lambda _: self.param_spec, params), state_specs)
+        init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(self.param_specs,), out_specs=state_specs))
+        self.specs = TrainState(self.param_specs, state_specs)
         return TrainState(params, init(params))
 
     def _state_specs(self, params):
         if self.cfg.diloco.enabled:
-            return diloco.state_specs(self.tx, params, self.mesh)
-        return loco.state_specs(self.tx, params, self.mesh)
+            return diloco.state_specs(self.tx, params, self.mesh, in_specs=self.param_specs)
+        return loco.state_specs(self.tx, params, self.mesh, in_specs=self.param_specs)
 
     def abstract_state(self):
         """Shapes and shardings of the train state, without allocating it (for restores)."""
         state = jax.eval_shape(self.init_state)
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs, is_leaf=lambda x: isinstance(x, P))
+        shardings = self.shardings(self.specs)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
 
     # ------------------------------------------------------------ programs
@@ -88,7 +117,8 @@ class Trainer:
         """The compiled step program of a DiLoCo phase (None for DP); compiled once, bytes recorded."""
         if phase not in self._programs:
             def fn(p, s, x, y):
-                p, s, metrics = steps.train_step(self.tx, self.mcfg, p, s, x, y, phase=phase)
+                p, s, metrics = steps.train_step(self.tx, self.mcfg, p, s, x, y, phase=phase,
+                                                 shard_dims=self.shard_dims, accum_steps=self.cfg.accum_steps)
                 # a copy of the skip count beside the metrics: the state itself is donated to the next step
                 return p, s, dict(metrics, skipped=s.skipped)
             specs = self.specs
@@ -108,9 +138,10 @@ class Trainer:
 
     def eval_program(self):
         if "eval" not in self._programs:
-            fn = lambda p, x, y: steps.eval_step(self.mcfg, p, x, y)
+            fn = lambda p, x, y: steps.eval_step(self.mcfg, p, x, y, shard_dims=self.shard_dims)
             self._programs["eval"] = jax.jit(
-                jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), BATCH_SPEC, BATCH_SPEC), out_specs=P())
+                jax.shard_map(fn, mesh=self.mesh, in_specs=(self.global_param_specs, BATCH_SPEC, BATCH_SPEC),
+                              out_specs=P())
             )
         return self._programs["eval"]
 

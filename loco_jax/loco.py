@@ -227,6 +227,7 @@ def compress(
     bucket_size: int | None = None,
     preset: str = "measured",
     shard_dims=None,
+    fast_axis: str | None = None,
 ) -> optax.GradientTransformation:
     """LoCo: averages gradients over ``axis_name`` in ``bits`` bits, compensating the error.
 
@@ -274,6 +275,12 @@ def compress(
       shard_dims: ``reduce="scatter"`` only: a pytree of ints with the
         gradients' structure, the dimension each leaf's shard is cut on
         (``None``: dim 0 of every leaf); see :func:`loco_jax.fsdp.shard_dims`.
+      fast_axis: hierarchical LoCo: a mesh axis of fast links (the devices of
+        one host). The mean over it is exact (``psum_scatter``: each device
+        keeps 1/D of the bucket), the low-bit LoCo all-reduce runs over
+        ``axis_name`` on that 1/D shard with its error buffers (1/D the size),
+        and an ``all_gather`` over ``fast_axis`` restores the whole mean. Only
+        ``uint8`` crosses ``axis_name``. With ``reduce="mean"`` only.
 
     Returns:
       An ``optax.GradientTransformation``; ``init`` and ``update`` run inside
@@ -292,6 +299,17 @@ def compress(
             "compensate_second_stage=True needs the two-stage all-reduce with compensation: "
             "bits set, compensate=True, mode='two_stage' and reduce='mean'."
         )
+    if fast_axis is not None:
+        if fast_axis == axis_name or axis_name is None:
+            raise ValueError(
+                f"fast_axis={fast_axis!r} must be a mesh axis other than axis_name={axis_name!r} (the slow links "
+                "LoCo compresses); the mean over both is what the optimizer gets."
+            )
+        if reduce != "mean":
+            raise ValueError(
+                f"fast_axis={fast_axis!r} does not combine with reduce={reduce!r}: the hierarchical all-reduce gathers "
+                "the whole mean back over the fast axis; for FSDP shards use reduce='scatter' over one axis."
+            )
     if shard_dims is not None and reduce != "scatter":
         raise ValueError(f"shard_dims is for reduce='scatter' (FSDP); reduce={reduce!r} returns full-shape means.")
     quantized = bits is not None
@@ -300,14 +318,20 @@ def compress(
     scatter = reduce == "scatter"
 
     def _layout(leaves, m, shard_shaped):
-        """Per-bucket (indices, cols); shard-shaped leaves count as m times their size."""
+        """Per-bucket (indices, cols of the (m, cols) rows LoCo quantizes); shard-shaped leaves count as m times
+        their size. Hierarchical: the rows are this device's 1/D shard of the bucket over ``fast_axis``."""
         sizes = [int(leaf.size) * (m if shard_shaped else 1) for leaf in leaves]
         groups = coll.group_leaves(sizes, bucket_size)
+        if fast_axis is not None:
+            d = coll.axis_size(fast_axis)
+            return [(g, coll.bucket_cols([sizes[i] for i in g], d, block_size, pad_multiple=m) // m) for g in groups]
         return [(g, coll.bucket_cols([sizes[i] for i in g], m, block_size, scatter=scatter)) for g in groups]
 
     def init_fn(params):
         if axis_name is not None:
             coll.require_axis(axis_name, "loco.compress")
+        if fast_axis is not None:
+            coll.require_axis(fast_axis, "loco.compress")
         count = jnp.zeros((), jnp.int32)
         key = jax.random.key_data(jax.random.PRNGKey(seed))
         if not keep_error:
@@ -317,6 +341,8 @@ def compress(
         # The error buffers vary as the gradients will: over axis_name and over every axis the
         # parameters vary over (e.g. DiLoCo's replica axis), so the updates keep the parameters' type.
         device_axes = _device_axes(leaves, axis_name)
+        if fast_axis is not None:  # hierarchical: each fast device keeps the errors of its own shard
+            device_axes = tuple(a for a in coll.manual_axes() if a in device_axes or a == fast_axis)
 
         def zeros(shape):
             values, scales = quant.stored_zeros(shape, error_bits, block_size=block_size)
@@ -371,7 +397,8 @@ def compress(
         for i, leaf in enumerate(leaves):
             g = leaf.astype(jnp.float32)
             if axis_name is not None:
-                g = lax.psum_scatter(g, axis_name, scatter_dimension=dims[i], tiled=True) / m if scatter else lax.pmean(g, axis_name)
+                mean_axes = axis_name if fast_axis is None else (axis_name, fast_axis)
+                g = lax.psum_scatter(g, axis_name, scatter_dimension=dims[i], tiled=True) / m if scatter else lax.pmean(g, mean_axes)
             out.append(g.astype(_out_dtype(leaf)))
         return out
 
@@ -385,6 +412,9 @@ def compress(
         if axis_name is not None:
             coll.require_axis(axis_name, "loco.compress")
             _check_grads_vary(leaves, axis_name)
+        if fast_axis is not None:
+            coll.require_axis(fast_axis, "loco.compress")
+            _check_grads_vary(leaves, fast_axis)
         m = coll.axis_size(axis_name)
         dims = _dims(treedef, leaves, params, m) if scatter else None
         t = state.count + 1
@@ -397,8 +427,13 @@ def compress(
         new = dict(error=[], error_scale=[], error2=[], error2_scale=[])
         out_leaves = _exact(leaves, m, dims) if not quantized else [None] * len(leaves)
         for b, (group, _) in enumerate(_layout(leaves, m, False) if quantized else []):
-            rows, bucket = coll.make_bucket([leaves[i] for i in group], m, block_size, scatter=scatter,
-                                            dims=[dims[i] for i in group] if scatter else None)
+            if fast_axis is None:
+                rows, bucket = coll.make_bucket([leaves[i] for i in group], m, block_size, scatter=scatter,
+                                                dims=[dims[i] for i in group] if scatter else None)
+            else:  # exact mean over the fast axis first; this device keeps its 1/D shard, viewed as (m, cols)
+                d = coll.axis_size(fast_axis)
+                fast_rows, bucket = coll.make_bucket([leaves[i] for i in group], d, block_size, pad_multiple=m)
+                rows = (lax.psum_scatter(fast_rows, fast_axis, scatter_dimension=0, tiled=True)[0] / d).reshape(m, -1)
             key1 = coll.device_key(step_key, axes, 2 * b) if stochastic_rounding else None
             key2 = coll.device_key(step_key, axes, 2 * b + 1) if stochastic_rounding else None
             rows = cfg.rotate_in(rows, b)  # identity unless rotate; errors below live in this domain
@@ -432,7 +467,10 @@ def compress(
                     new["error2_scale"].append(scales)
                 else:
                     mean_rows, _ = coll.all_gather_chunk(chunk, axis_name, cfg, key2)
-            for i, leaf in zip(group, jax.tree.leaves(coll.unbucket(cfg.rotate_out(mean_rows, b), bucket))):
+            mean_rows = cfg.rotate_out(mean_rows, b)
+            if fast_axis is not None:  # every fast device's shard of the mean, back to the whole bucket
+                mean_rows = lax.all_gather(mean_rows.reshape(1, -1), fast_axis, axis=0, tiled=True, to="invarying")
+            for i, leaf in zip(group, jax.tree.leaves(coll.unbucket(mean_rows, bucket))):
                 out_leaves[i] = leaf
 
         ok = global_all_finite((leaves, out_leaves))

@@ -76,7 +76,8 @@ def quiet_reads(by_step, cfg):
 # Streaming DiLoCo: with overlap 1 in-process in tests/test_faults.py's clean run (exchange steps 7, 9 and 11
 # quiet), with overlap 2 in two processes in
 # tests/test_trainer.py::test_two_processes_match_one_process_and_read_nothing_on_quiet_steps.
-RUNS = {"data_parallel": {"mesh.replicas": 1, "diloco.enabled": False}}
+RUNS = {"data_parallel": {"mesh.replicas": 1, "diloco.enabled": False},
+        "fsdp": {"mesh.replicas": 1, "diloco.enabled": False, "mesh.fsdp": True, "model.scan_layers": True}}
 
 
 @pytest.mark.parametrize("name", list(RUNS))

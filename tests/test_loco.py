@@ -468,3 +468,65 @@ def test_error_rms_diagnostic_matches_the_decoded_buffers(data_mesh):
     got = jax.jit(jax.shard_map(loco.error_rms, mesh=data_mesh, in_specs=(specs,), out_specs=P()))(state)
     want = np.sqrt(np.mean(_stored_error(state) ** 2))
     assert float(got) == pytest.approx(want, rel=1e-5) and want > 0
+
+
+# --------------------------------------------------------------------------------------- hierarchical LoCo
+
+
+def _hierarchical(mesh, tx, grads):
+    """``tx`` on the (replica, data) mesh as slow x fast: device (r, j) holds grads[r * 4 + j]."""
+    params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:]), grads)
+    specs = loco.state_specs(tx, params, mesh)
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+    def body(g, state):
+        u, state = tx.update(jax.tree.map(lambda x: x[0], g), state)
+        return jax.tree.map(lambda x: x[None], u), state
+
+    dev = P(("replica", "data"))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(dev, specs), out_specs=(dev, specs)))
+    state = init(params)
+    args = (jax.tree.map(lambda g: put(mesh, g, dev), grads), state)
+    out, new_state = f(*args)
+    return jax.tree.map(np.asarray, out), state, new_state, hlo.collective_bytes(f.lower(*args).compile())
+
+
+def test_hierarchical_loco_is_exact_inside_a_host_and_low_bit_across(mesh):
+    grads = {"w": gaussian((M, 96, 40), 7), "b": gaussian((M, 40), 8)}
+    mean = jax.tree.map(lambda g: g.mean(0), grads)
+    exact, _, _, _ = _hierarchical(mesh, loco.compress(bits=None, axis_name="replica", fast_axis="data"), grads)
+    for k in grads:
+        np.testing.assert_allclose(exact[k], np.broadcast_to(mean[k], exact[k].shape), rtol=1e-5, atol=1e-6)
+    tx = loco.compress(bits=4, axis_name="replica", fast_axis="data", format="int", rotate=False, beta=0.8)
+    got, state0, state, report = _hierarchical(mesh, tx, grads)
+    # the first step (no stored error yet) is the library's hierarchical quantized mean of the same values
+    dev = P(("replica", "data"))
+    pmean = jax.jit(jax.shard_map(
+        lambda g: jax.tree.map(lambda x: x[None], collectives.quantized_pmean(
+            jax.tree.map(lambda x: x[0], g), "replica", fast_axis="data", bits=4, format="int")),
+        mesh=mesh, in_specs=(dev,), out_specs=dev))
+    want = jax.tree.map(np.asarray, pmean(jax.tree.map(lambda g: put(mesh, g, dev), grads)))
+    for k in grads:
+        assert np.all(got[k] == got[k][:1]), "every device gets the same bits"
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
+        assert rel_err(got[k][0], mean[k]) < 0.25, k  # two 4-bit roundings of a mean of 8 Gaussians
+    # the error buffer covers this device's 1/4 shard of the bucket: (2, cols) with 2 * cols ~ N / 4
+    n = 96 * 40 + 40
+    rows, cols = np.asarray(state0.error[0]).shape[0] // M, np.asarray(state0.error[0]).shape[1]
+    assert rows == 2 and n / 4 <= rows * cols < n / 4 + 2 * 256
+    assert np.any(np.asarray(state.error[0]) != 0)
+    # across replicas (ops spanning the 4-device blocks) only uint8 payloads and scalars; fp32 stays inside
+    across = [op for op in report.ops if op.spans(4) and op.total_bytes > 0]
+    assert across and all(op.dtype == "u8" or op.payload_bytes <= 8 for op in across), report.table()
+    inside = [op for op in report.ops if not op.spans(4) and op.dtype == "f32" and op.payload_bytes > 1024]
+    assert {op.kind for op in inside} == {"reduce-scatter", "all-gather"}, report.table()
+
+
+def test_hierarchical_loco_refuses_bad_axes(mesh):
+    with pytest.raises(ValueError, match="fast_axis='data' must be a mesh axis other than axis_name='data'"):
+        loco.compress(bits=4, fast_axis="data")
+    with pytest.raises(ValueError, match="does not combine with reduce='scatter'"):
+        loco.compress(bits=4, axis_name="replica", fast_axis="data", reduce="scatter")
+    tx = loco.compress(bits=4, axis_name="replica", fast_axis="host")
+    with pytest.raises(ValueError, match="axis_name='host' is not bound"):
+        jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()))({"w": jnp.zeros(8)})

@@ -40,7 +40,7 @@ def test_library_imports_nothing_of_the_training_application():
     import subprocess
     import sys
 
-    library = ["quant", "collectives", "loco", "diloco", "fragments", "specs", "hlo"]
+    library = ["quant", "collectives", "loco", "diloco", "fragments", "specs", "hlo", "fsdp"]
     code = ("import sys; import " + ", ".join(f"loco_jax.{m}" for m in library)
             + "; print(sorted(m for m in sys.modules if m.startswith('loco_jax.training')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

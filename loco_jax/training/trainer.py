@@ -89,16 +89,18 @@ class Trainer:
 
     def init_state(self):
         key = jax.random.PRNGKey(self.cfg.seed)
+        shardings = self.shardings(self.param_specs)
         if self.shard_dims is None:
-            params = self._tile(model_lib.init_params(self.mcfg, key))
-            params = jax.device_put(params, self.shardings(self.param_specs))
+            params = jax.device_put(self._tile(model_lib.init_params(self.mcfg, key)), shardings)
         else:  # created sharded: no device ever holds the whole model
-            params = jax.jit(lambda k: self._tile(model_lib.init_params(self.mcfg, k)),
-                             out_shardings=self.shardings(self.param_specs))(key)
+            params = jax.jit(lambda k: self._tile(model_lib.init_params(self.mcfg, k)), out_shardings=shardings)(key)
+        return TrainState(params, self._init_opt_state(params))
+
+    def _init_opt_state(self, params):
         state_specs = self._state_specs(params)
         init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(self.param_specs,), out_specs=state_specs))
         self.specs = TrainState(self.param_specs, state_specs)
-        return TrainState(params, init(params))
+        return init(params)
 
     def _state_specs(self, params):
         if self.cfg.diloco.enabled:
@@ -107,9 +109,14 @@ class Trainer:
 
     def abstract_state(self):
         """Shapes and shardings of the train state, without allocating it (for restores)."""
-        state = jax.eval_shape(self.init_state)
-        shardings = self.shardings(self.specs)
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+        m = self.m if self.cfg.diloco.enabled else 1
+        params = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct((a.shape[0] * m,) + tuple(a.shape[1:]), a.dtype, sharding=sh),
+            model_lib.abstract_params(self.mcfg), self.shardings(self.param_specs))
+        opt_state = jax.eval_shape(self._init_opt_state, params)
+        state = TrainState(params, opt_state)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                            self.shardings(self.specs))
 
     # ------------------------------------------------------------ programs
 

@@ -185,3 +185,20 @@ def test_fsdp_step_sends_uint8_gradients_and_no_fp32_reduction(text_file):  # no
     assert gathers <= 7 / 8 * n * 4 * 1.01, report.table()  # the parameters, once, in fp32 compute
     u8 = sum(op.total_bytes for op in payload)
     assert u8 <= 7 / 8 * n * (4 + 32 / 256) / 8 * 1.2, report.table()  # reduce-scatter only: half an all-reduce
+
+
+def test_hierarchical_data_parallel_is_low_bit_only_across_hosts(text_file, tmp_path):  # noqa: F811
+    """mesh.local=4: 2 simulated hosts x 4 devices; LoCo exact over a host's devices, 4-bit across hosts."""
+    cfg = small_config(text_file, steps=4, log_every=1, eval_every=4, checkpoint_every=4,
+                       **{"mesh.replicas": 1, "diloco.enabled": False, "mesh.data": 2, "mesh.local": 4})
+    trainer_lib.train_and_evaluate(cfg, str(tmp_path), log=quiet)
+    losses = _losses(str(tmp_path))
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    t = Trainer(cfg, str(tmp_path))
+    assert dict(t.mesh.shape) == {"replica": 1, "data": 2, "local": 4}
+    report = hlo.collective_bytes(t.program(None, t.abstract_state(), t.abstract_batch()))
+    across = [op for op in report.ops if op.spans(4) and op.total_bytes > 0]
+    assert any(op.dtype == "u8" for op in across), report.table()
+    assert all(op.dtype == "u8" or op.payload_bytes <= 16 for op in across), report.table()  # scalars only
+    with pytest.raises(ValueError, match="mesh.local=4 .* is for data parallel"):
+        Trainer(small_config(text_file, **{"mesh.local": 4}), str(tmp_path))

@@ -11,8 +11,9 @@ def test_mesh_axes_and_host_major_layout():
     assert dict(m.shape) == {"replica": 2, "data": 4}
     assert [d.id for d in m.devices[0]] == [0, 1, 2, 3]
     assert mesh_lib.replicas_per_host(m) == {0: [0, 1]}
-    f = mesh_lib.make_mesh(replicas=2, fsdp=2)
-    assert dict(f.shape) == {"replica": 2, "fsdp": 2, "data": 2}
+    h = mesh_lib.make_mesh(data=2, local=4)  # 2 hosts x 4 devices: a host's devices on the local axis
+    assert dict(h.shape) == {"replica": 1, "data": 2, "local": 4}
+    assert [d.id for d in h.devices[0, 1]] == [4, 5, 6, 7]
     assert "replica=2" in mesh_lib.describe(m)
 
 
@@ -23,6 +24,7 @@ def test_mesh_axes_and_host_major_layout():
         (dict(replicas=2, data=2), "needs 4 devices, but 8 are visible"),
         (dict(replicas=0), "replicas=0"),
         (dict(replicas=2, data=0), "data=0"),
+        (dict(local=3), "mesh.local=3 does not divide the 8 devices"),
     ],
 )
 def test_bad_mesh_sizes_name_the_numbers(kwargs, match):

@@ -255,7 +255,8 @@ def restore_step(manager, step, trainer, log):
     """(state, meta) of checkpoint ``step``: restored directly on the mesh it was written on, by
     :func:`restore_elastic` on another one (a checkpoint that records no mesh must fit this one)."""
     saved_mesh = read_meta(manager, step).get("mesh")
-    if saved_mesh is not None and (saved_mesh["replica"], saved_mesh["data"], bool(saved_mesh.get("fsdp"))) != (
-            trainer.m, trainer.d, trainer.cfg.mesh.fsdp):
+    layout = lambda mesh: (mesh["replica"], mesh["data"], bool(mesh.get("fsdp")), mesh.get("local", 1))
+    if saved_mesh is not None and layout(saved_mesh) != (trainer.m, trainer.d, trainer.cfg.mesh.fsdp,
+                                                         trainer.cfg.mesh.local):
         return restore_elastic(manager, step, trainer, saved_mesh, log)
     return restore(manager, step, trainer, mesh_recorded=saved_mesh is not None)

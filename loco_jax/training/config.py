@@ -42,6 +42,9 @@ class MeshFields:
     replicas: int = 1
     data: int | None = None  # None: every device the other axes leave
     fsdp: bool = False
+    # > 1: data parallel over hosts x `local` devices per host; LoCo is exact over a host's devices
+    # and low-bit across hosts (loco.compress(fast_axis="local")). Data parallel only.
+    local: int = 1
 
 
 @dataclasses.dataclass

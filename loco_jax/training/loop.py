@@ -160,7 +160,8 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=emit, stop_afte
             if is_ckpt or stop.requested:
                 save(manager, step, trainer, state, {"step": step, "data": data_position, "bytes_sent": bytes_so_far,
                                                      "mesh": {"replica": trainer.m, "data": trainer.d,
-                                                              "fsdp": trainer.cfg.mesh.fsdp},
+                                                              "fsdp": trainer.cfg.mesh.fsdp,
+                                                              "local": trainer.cfg.mesh.local},
                                                      "unlogged": window.host})
                 last_saved = step
             if stop.requested:

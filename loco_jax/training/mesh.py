@@ -1,6 +1,7 @@
-"""The device mesh (``replica``, ``data``, optionally ``fsdp``) and multi-host start-up.
+"""The device mesh (``replica``, ``data``, optionally ``local``) and multi-host start-up.
 
-Axis order is ``(replica, data)`` or ``(replica, fsdp, data)``. Devices are
+Axis order is ``(replica, data)`` or ``(replica, data, local)``: ``local`` splits the data devices
+into hosts x the devices of one host (hierarchical LoCo runs its exact stage over it). Devices are
 laid out host-major: with several processes, the devices of one process
 fill whole rows of the ``replica`` axis, so the collectives inside a replica
 (``data``: LoCo's gradient all-reduce, the all-gather of outer-gradient
@@ -25,7 +26,7 @@ import jax
 import numpy as np
 
 AXES = ("replica", "data")
-AXES_FSDP = ("replica", "fsdp", "data")
+AXES_LOCAL = ("replica", "data", "local")
 
 _ENV = {
     "coordinator_address": ("LOCO_JAX_COORDINATOR", "JAX_COORDINATOR_ADDRESS"),
@@ -84,37 +85,38 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     return settings
 
 
-def make_mesh(replicas: int = 1, data: int | None = None, fsdp: int = 1, devices=None) -> jax.sharding.Mesh:
-    """A ``(replica, data)`` (or ``(replica, fsdp, data)``) mesh over all devices, host-major.
+def make_mesh(replicas: int = 1, data: int | None = None, local: int = 1, devices=None) -> jax.sharding.Mesh:
+    """A ``(replica, data)`` (or ``(replica, data, local)``) mesh over all devices, host-major.
 
-    ``data=None`` takes every device not used by the other axes. Raises a
-    ``ValueError`` naming the sizes when they do not match the device count.
+    ``data=None`` takes every device not used by the other axes. ``local > 1`` adds the ``local`` axis
+    of consecutive devices (those of one host). Raises a ``ValueError`` naming the sizes when they do
+    not match the device count.
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
-    for name, value in (("replicas", replicas), ("fsdp", fsdp)):
+    for name, value in (("replicas", replicas), ("local", local)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"mesh.{name}={value!r} must be a positive integer.")
     if data is None:
-        if n % (replicas * fsdp):
+        if n % (replicas * local):
             raise ValueError(
-                f"mesh.replicas={replicas} x mesh.fsdp={fsdp} does not divide the {n} devices; choose sizes whose "
+                f"mesh.replicas={replicas} x mesh.local={local} does not divide the {n} devices; choose sizes whose "
                 f"product divides {n}."
             )
-        data = n // (replicas * fsdp)
+        data = n // (replicas * local)
     if isinstance(data, bool) or not isinstance(data, int) or data < 1:
         raise ValueError(f"mesh.data={data!r} must be a positive integer.")
-    if replicas * fsdp * data != n:
+    if replicas * data * local != n:
         raise ValueError(
-            f"mesh (replica={replicas}, fsdp={fsdp}, data={data}) needs {replicas * fsdp * data} devices, but "
+            f"mesh (replica={replicas}, data={data}, local={local}) needs {replicas * data * local} devices, but "
             f"{n} are visible ({jax.process_count()} process(es) x {jax.local_device_count()} local). Choose sizes "
             f"whose product is {n}, or set mesh.data to None to use every remaining device."
         )
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    if fsdp == 1:
+    if local == 1:
         grid, names = np.array(ordered, dtype=object).reshape(replicas, data), AXES
     else:
-        grid, names = np.array(ordered, dtype=object).reshape(replicas, fsdp, data), AXES_FSDP
+        grid, names = np.array(ordered, dtype=object).reshape(replicas, data, local), AXES_LOCAL
     types = (jax.sharding.AxisType.Explicit,) * len(names)
     return jax.sharding.Mesh(grid, names, axis_types=types)
 

@@ -26,7 +26,17 @@ from loco_jax import diloco, fsdp, loco, specs
 from loco_jax.training import config as config_lib
 from loco_jax.training import model as model_lib
 
-BATCH_SPEC = P(("replica", "data"))
+BATCH_SPEC = P(("replica", "data"))  # the batch over a (replica, data) mesh; batch_spec(mesh) for any mesh
+
+
+def batch_spec(mesh):
+    """Dim 0 of the batch split over every mesh axis, in mesh order."""
+    return P(tuple(mesh.axis_names))
+
+
+def _data_axes():
+    """The axes of one replica's devices bound by the enclosing shard_map (``data``, and ``local`` if any)."""
+    return tuple(a for a in specs.manual_axes() if a != "replica")
 
 
 class TrainState(NamedTuple):
@@ -61,6 +71,7 @@ def make_optimizer(cfg: config_lib.Config, shard_dims=None):
             reset_every=c.reset_every, compensate_second_stage=c.compensate_second_stage, axis_name="data",
             format=c.format, rotate=c.rotate, preset=c.preset, seed=cfg.seed, bucket_size=c.bucket_size,
             **(dict(reduce="scatter", shard_dims=shard_dims) if sharded else {}),
+            **(dict(fast_axis="local") if cfg.mesh.local > 1 else {}),
         )
     ]
     if o.grad_clip is not None:
@@ -118,19 +129,21 @@ def full_params(mcfg, params, shard_dims):
 
 def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shard_dims=None, accum_steps=1):
     """One step inside ``shard_map``: loss, gradient (no hidden psum), the optimizer, new params."""
-    varying = lax.pcast(full_params(mcfg, params, shard_dims), "data", to="varying")  # the README recipe
+    varying = lax.pcast(full_params(mcfg, params, shard_dims), _data_axes(), to="varying")  # the README recipe
     loss, grads = loss_and_grad(mcfg, varying, inputs, targets, accum_steps)
     extra = {} if phase is None else {"phase": phase}
     updates, opt_state = tx.update(grads, opt_state, params, **extra)
     params = optax.apply_updates(params, updates)
     grad_sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
-    grad_rms = jnp.sqrt(grad_sq / sum(g.size for g in jax.tree.leaves(grads)))  # this device's local gradient
-    axes = ("replica", "data")
+    n = float(sum(g.size for g in jax.tree.leaves(grads)))  # a Python float: 8B values overflow int32
+    grad_rms = jnp.sqrt(grad_sq / n)  # this device's local gradient
+    axes = specs.manual_axes()
     metrics = {name: lax.pmean(specs.to_varying(v, axes), axes) for name, v in (("loss", loss), ("grad_rms", grad_rms))}
     return params, opt_state, metrics
 
 
 def eval_step(mcfg, params, inputs, targets, *, shard_dims=None):
     """Mean loss over the eval batch, inside ``shard_map`` (params identical everywhere, or FSDP shards)."""
-    return lax.pmean(model_lib.loss_fn(mcfg, full_params(mcfg, params, shard_dims), inputs, targets), ("replica", "data"))
+    loss = model_lib.loss_fn(mcfg, full_params(mcfg, params, shard_dims), inputs, targets)
+    return lax.pmean(loss, specs.manual_axes())
 

@@ -19,7 +19,7 @@ from loco_jax.training import model as model_lib
 from loco_jax.training import steps
 from loco_jax.training.dataset import Dataset
 from loco_jax.training.metrics import emit
-from loco_jax.training.steps import BATCH_SPEC, TrainState, learning_rate_schedule, make_optimizer, model_config
+from loco_jax.training.steps import TrainState, learning_rate_schedule, make_optimizer, model_config
 
 
 class Trainer:
@@ -28,8 +28,16 @@ class Trainer:
     def __init__(self, cfg: config_lib.Config, workdir: str, log=emit):
         cfg = config_lib.resolve(cfg)  # idempotent on a resolved config; None settings take the library defaults
         self.cfg, self.workdir, self.log = cfg, workdir, log
-        self.mesh = mesh_lib.make_mesh(cfg.mesh.replicas, cfg.mesh.data)
-        self.m, self.d = self.mesh.shape["replica"], self.mesh.shape["data"]
+        if cfg.mesh.local > 1 and (cfg.diloco.enabled or cfg.mesh.fsdp):
+            raise ValueError(
+                f"mesh.local={cfg.mesh.local} (hierarchical LoCo over hosts x local devices) is for data parallel "
+                f"with replicated state; this config has diloco.enabled={cfg.diloco.enabled}, "
+                f"mesh.fsdp={cfg.mesh.fsdp}. Set mesh.local=1, or turn those off."
+            )
+        self.mesh = mesh_lib.make_mesh(cfg.mesh.replicas, cfg.mesh.data, cfg.mesh.local)
+        # d: the devices of one replica (data x local)
+        self.m, self.d = self.mesh.shape["replica"], self.mesh.shape["data"] * self.mesh.shape.get("local", 1)
+        self.batch_spec = steps.batch_spec(self.mesh)
         if not cfg.diloco.enabled and self.m != 1:
             raise ValueError(
                 f"mesh.replicas={self.m} needs diloco.enabled=True; plain data parallel runs on one replica "
@@ -73,7 +81,7 @@ class Trainer:
 
     def abstract_batch(self):
         shape = (self.cfg.batch_size, self.cfg.seq_len)
-        sharding = NamedSharding(self.mesh, BATCH_SPEC)
+        sharding = NamedSharding(self.mesh, self.batch_spec)
         return (jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),) * 2
 
     # ------------------------------------------------------------ state
@@ -131,7 +139,7 @@ class Trainer:
             specs = self.specs
             f = jax.jit(
                 jax.shard_map(
-                    fn, mesh=self.mesh, in_specs=(specs.params, specs.opt_state, BATCH_SPEC, BATCH_SPEC),
+                    fn, mesh=self.mesh, in_specs=(specs.params, specs.opt_state, self.batch_spec, self.batch_spec),
                     out_specs=(specs.params, specs.opt_state, P()),
                 ),
                 donate_argnums=(0, 1),
@@ -147,7 +155,7 @@ class Trainer:
         if "eval" not in self._programs:
             fn = lambda p, x, y: steps.eval_step(self.mcfg, p, x, y, shard_dims=self.shard_dims)
             self._programs["eval"] = jax.jit(
-                jax.shard_map(fn, mesh=self.mesh, in_specs=(self.global_param_specs, BATCH_SPEC, BATCH_SPEC),
+                jax.shard_map(fn, mesh=self.mesh, in_specs=(self.global_param_specs, self.batch_spec, self.batch_spec),
                               out_specs=P())
             )
         return self._programs["eval"]
@@ -169,7 +177,7 @@ class Trainer:
         return state.params
 
     def put_batch(self, rows):
-        sharding = NamedSharding(self.mesh, BATCH_SPEC)
+        sharding = NamedSharding(self.mesh, self.batch_spec)
         return tuple(jax.make_array_from_process_local_data(sharding, np.asarray(a)) for a in rows)
 
     def evaluate(self, state):

@@ -74,20 +74,18 @@ def analytic_state(cfg, n_params, devices):
     return parts
 
 
-def phases_to_compile(trainer):
+def phases_to_compile(trainer, quiet_only=False):
     """A quiet step, and the exchange steps of fragment 0 (embeddings and head) and fragment 1."""
-    if not trainer.cfg.diloco.enabled:
-        return [None]
     chosen = []
     for ph in trainer.tx.phases():
         if ph.send is None and ph.apply is None and "quiet" not in [c[0] for c in chosen]:
             chosen.append(("quiet", ph))
         elif ph.send in (0, 1) and ph.apply == ph.send and f"exchange {ph.send}" not in [c[0] for c in chosen]:
             chosen.append((f"exchange {ph.send}", ph))
-    return chosen
+    return chosen[:1] if quiet_only else chosen
 
 
-def measure(path, devices, fsdp, overrides=()):
+def measure(path, devices, fsdp, overrides=(), quiet_only=False):
     cfg, per_device = recipe(path, devices, fsdp, overrides)
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(cfg, workdir, log=lambda *a: None)
@@ -95,7 +93,7 @@ def measure(path, devices, fsdp, overrides=()):
         n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(model_lib.abstract_params(trainer.mcfg)))
         batch_bytes = 2 * per_device * cfg.seq_len * 4
         rows = []
-        for name, phase in (phases_to_compile(trainer) if cfg.diloco.enabled else [("step", None)]):
+        for name, phase in (phases_to_compile(trainer, quiet_only) if cfg.diloco.enabled else [("step", None)]):
             compiled = trainer.program(phase, state, batch)
             mem = compiled.memory_analysis()
             args, out, alias, temp = (mem.argument_size_in_bytes, mem.output_size_in_bytes,
@@ -132,13 +130,16 @@ def main(argv=None):
     parser.add_argument("--config", required=True)
     parser.add_argument("--devices", type=int, default=8, help="devices of one replica (simulated)")
     parser.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
+    parser.add_argument("--layout", choices=("both", "replicated", "fsdp"), default="both")
+    parser.add_argument("--quiet-only", action="store_true", help="compile only the quiet step (no exchange)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/results.md")
     args = parser.parse_args(argv)
     if jax.device_count() < args.devices:
         sys.exit(f"--devices {args.devices} needs that many devices; this process has {jax.device_count()}.")
     started = common.start()
-    results = [measure(args.config, args.devices, fsdp, args.set) for fsdp in (False, True)]
+    layouts = {"both": (False, True), "replicated": (False,), "fsdp": (True,)}[args.layout]
+    results = [measure(args.config, args.devices, fsdp, args.set, args.quiet_only) for fsdp in layouts]
     if args.json:
         print(json.dumps(results, indent=2))
         return results

@@ -105,12 +105,17 @@ def partition_specs(dims, axis: str = "data", *, leading: str | None = None):
 
 def gather(shards, dims, axis_name: str = "data", *, dtype=None):
     """The full parameters from this device's shards, inside ``shard_map``: one tiled ``all_gather`` per
-    leaf on its shard dimension, after casting to ``dtype`` (the compute dtype: half the bytes in bf16).
+    leaf on its shard dimension, after casting to ``dtype`` (the compute dtype: half the bytes in bf16,
+    sent as ``uint16`` bit patterns so that no backend widens them).
 
     The result is typed invariant over ``axis_name`` (identical on every device of it).
     """
     def one(x, dim):
         x = x if dtype is None else x.astype(dtype)
+        if jnp.dtype(x.dtype).itemsize == 2:  # bf16 / fp16 travel as uint16: some backends widen them to fp32
+            bits = lax.all_gather(lax.bitcast_convert_type(x, jnp.uint16), axis_name, axis=dim, tiled=True,
+                                  to="invarying")
+            return lax.bitcast_convert_type(bits, x.dtype)
         return lax.all_gather(x, axis_name, axis=dim, tiled=True, to="invarying")
 
     return jax.tree.map(one, shards, dims)

@@ -77,6 +77,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -327,6 +328,20 @@ def compress(
             return [(g, coll.bucket_cols([sizes[i] for i in g], d, block_size, pad_multiple=m) // m) for g in groups]
         return [(g, coll.bucket_cols([sizes[i] for i in g], m, block_size, scatter=scatter)) for g in groups]
 
+    def _splits(shape, dim, full_size):
+        """Row ranges of dim 0 that cut one leaf into pieces of at most ``bucket_size`` values (scatter, shards
+        off dim 0: each piece keeps every device's shard). One range (the whole leaf) otherwise."""
+        n0 = shape[0] if shape else 1
+        if not (scatter and bucket_size is not None and dim != 0 and full_size > bucket_size and n0 > 1):
+            return [(0, n0)]
+        edges = np.linspace(0, n0, min(n0, -(-full_size // bucket_size)) + 1).round().astype(int)
+        return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+    def _init_dims(params):
+        if not scatter or shard_dims is None:
+            return [0] * len(jax.tree.leaves(params))
+        return [int(d) for d in jax.tree.leaves(shard_dims)]
+
     def init_fn(params):
         if axis_name is not None:
             coll.require_axis(axis_name, "loco.compress")
@@ -348,6 +363,10 @@ def compress(
             values, scales = quant.stored_zeros(shape, error_bits, block_size=block_size)
             return jax.tree.map(lambda x: coll.to_varying(x, device_axes), (values, scales))
 
+        if scatter:  # the pieces update will cut the full gradients into (shard_dims off dim 0)
+            leaves = [jax.ShapeDtypeStruct((b - a,) + tuple(leaf.shape[1:]), leaf.dtype)
+                      for leaf, dim in zip(leaves, _init_dims(params))
+                      for a, b in _splits(leaf.shape, dim, int(leaf.size) * m)]
         error, error_scale, error2, error2_scale = [], [], [], []
         for _, cols in _layout(leaves, m, scatter):
             values, scales = zeros((m, cols))
@@ -426,13 +445,21 @@ def compress(
 
         new = dict(error=[], error_scale=[], error2=[], error2_scale=[])
         out_leaves = _exact(leaves, m, dims) if not quantized else [None] * len(leaves)
+        whole = leaves  # pieces: scatter mode cuts leaves bigger than a bucket on dim 0 (each keeps its shards)
+        owner = list(range(len(leaves)))
+        if scatter and quantized:
+            cuts = [(i, a, b) for i, leaf in enumerate(leaves) for a, b in _splits(leaf.shape, dims[i], int(leaf.size))]
+            leaves = [whole[i] if (a, b) == (0, whole[i].shape[0]) else whole[i][a:b] for i, a, b in cuts]
+            owner, dims = [i for i, _, _ in cuts], [dims[i] for i, _, _ in cuts]
+            out_leaves = [None] * len(leaves)
         for b, (group, _) in enumerate(_layout(leaves, m, False) if quantized else []):
+            group_leaves = [leaves[i] for i in group]
             if fast_axis is None:
-                rows, bucket = coll.make_bucket([leaves[i] for i in group], m, block_size, scatter=scatter,
+                rows, bucket = coll.make_bucket(group_leaves, m, block_size, scatter=scatter,
                                                 dims=[dims[i] for i in group] if scatter else None)
             else:  # exact mean over the fast axis first; this device keeps its 1/D shard, viewed as (m, cols)
                 d = coll.axis_size(fast_axis)
-                fast_rows, bucket = coll.make_bucket([leaves[i] for i in group], d, block_size, pad_multiple=m)
+                fast_rows, bucket = coll.make_bucket(group_leaves, d, block_size, pad_multiple=m)
                 rows = (lax.psum_scatter(fast_rows, fast_axis, scatter_dimension=0, tiled=True)[0] / d).reshape(m, -1)
             key1 = coll.device_key(step_key, axes, 2 * b) if stochastic_rounding else None
             key2 = coll.device_key(step_key, axes, 2 * b + 1) if stochastic_rounding else None
@@ -473,6 +500,12 @@ def compress(
             for i, leaf in zip(group, jax.tree.leaves(coll.unbucket(mean_rows, bucket))):
                 out_leaves[i] = leaf
 
+        if len(out_leaves) != len(whole):  # the pieces of each cut leaf, back together on dim 0
+            parts = [[] for _ in whole]
+            for i, piece in zip(owner, out_leaves):
+                parts[i].append(piece)
+            out_leaves = [p[0] if len(p) == 1 else jnp.concatenate(p, axis=0) for p in parts]
+        leaves = whole
         ok = global_all_finite((leaves, out_leaves))
         fill = 0.0 if nonfinite == "skip" else jnp.nan
         out_leaves = [jnp.where(ok, o, jnp.asarray(fill, o.dtype)) for o in out_leaves]

@@ -71,6 +71,21 @@ def test_reduce_scatter_on_any_dimension_is_the_mean_cut_there(data_mesh, format
         assert got[k].dtype == np.float32 and rel_err(got[k], mean[k]) < bound, (k, rel_err(got[k], mean[k]))
 
 
+def test_leaves_bigger_than_a_bucket_are_cut_on_dim_0_and_keep_their_shards(data_mesh):
+    """bucket_size=300: "b" (384 values, sharded on dim 1) is cut into rows [0, 2) and [2, 3), "c" (640, on dim 2)
+    into rows [0, 1), [1, 3), [3, 4); "a" is sharded on dim 0 and stays whole."""
+    mean = jax.tree.map(lambda g: g * np.mean(np.arange(1, D + 1)), GRADS)
+    tx = loco.compress(bits=8, format="int", rotate=False, reduce="scatter", shard_dims=DIMS, bucket_size=300)
+    got = _scatter(data_mesh, tx, GRADS, DIMS)
+    for k in GRADS:
+        assert rel_err(got[k], mean[k]) < 0.01, k
+    shards = jax.tree.map(lambda g, k: jax.ShapeDtypeStruct(tuple(n // D if i == k else n for i, n in enumerate(g.shape)),
+                                                             jnp.float32), GRADS, DIMS)
+    state = jax.eval_shape(jax.shard_map(tx.init, mesh=data_mesh, in_specs=(P(),), out_specs=P(), check_vma=False),
+                           shards)
+    assert len(state.error) == 5  # buckets: a | b[0:2] | b[2:3] + c[0:1] | c[1:3] | c[3:4]
+
+
 def test_reduce_scatter_refuses_mismatched_shards(data_mesh):
     with pytest.raises(ValueError, match="shard_dims is for reduce='scatter'"):
         loco.compress(bits=4, shard_dims=DIMS)

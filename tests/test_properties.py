@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from loco_jax import collectives, quant
 from tests.helpers import put
 
-SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BLOCK = 64
 
 
@@ -111,7 +111,7 @@ def test_nonfinite_values_poison_only_their_block(x, bits, nan_at, bad):
     assert np.all(np.isfinite(np.delete(out, i // BLOCK, axis=0)))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     shape=st.sampled_from([(5,), (3, 7), (2, 3, 40), (300,), (17, 33)]),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
@@ -138,7 +138,7 @@ def test_quantized_psum_bound_shape_dtype_any_input(data_mesh, shape, dtype, mod
     assert np.all(np.abs(got[0] - exact) <= tol + 1e-44)
 
 
-FEW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each shape compiles anew
+FEW = settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each shape compiles anew
 
 
 @FEW

@@ -168,11 +168,26 @@ def _device_axes(leaves, axis_name):
     return tuple(a for a in coll.manual_axes() if a == axis_name or a in varying)
 
 
+_CHUNKED = 2**24  # values: a leaf this big is reduced one dim-0 slice at a time
+
+
+def reduce_leaf(fn, leaf):
+    """``fn(leaf)`` for a scalar reduction ``fn``, over dim-0 slices for big leaves (combined by ``fn`` again).
+
+    Some backends (XLA:CPU) materialize a reduction's elementwise input (a full fp32 or bool copy of a
+    gradient-sized leaf); slice by slice only one slice is ever materialized.
+    """
+    if leaf.ndim >= 2 and leaf.size > _CHUNKED and leaf.shape[0] > 1:
+        # the barrier keeps the compiler from converting the whole leaf before the loop slices it
+        return fn(lax.map(lambda x: fn(lax.optimization_barrier(x)), leaf))
+    return fn(leaf)
+
+
 def _all_finite(tree):
     leaves = jax.tree.leaves(tree)
     flag = jnp.array(True)
     for leaf in leaves:
-        flag = flag & jnp.all(jnp.isfinite(leaf))
+        flag = flag & reduce_leaf(lambda x: jnp.all(jnp.isfinite(x)), leaf)
     return flag
 
 
@@ -417,7 +432,8 @@ def compress(
             g = leaf.astype(jnp.float32)
             if axis_name is not None:
                 mean_axes = axis_name if fast_axis is None else (axis_name, fast_axis)
-                g = lax.psum_scatter(g, axis_name, scatter_dimension=dims[i], tiled=True) / m if scatter else lax.pmean(g, mean_axes)
+                g = (lax.psum_scatter(g, axis_name, scatter_dimension=dims[i], tiled=True) / m if scatter
+                     else lax.pmean(g, mean_axes))
             out.append(g.astype(_out_dtype(leaf)))
         return out
 
@@ -444,16 +460,25 @@ def compress(
         axes = _device_axes(leaves, axis_name)
 
         new = dict(error=[], error_scale=[], error2=[], error2_scale=[])
-        out_leaves = _exact(leaves, m, dims) if not quantized else [None] * len(leaves)
         whole = leaves  # pieces: scatter mode cuts leaves bigger than a bucket on dim 0 (each keeps its shards)
         owner = list(range(len(leaves)))
-        if scatter and quantized:
+        if scatter:
             cuts = [(i, a, b) for i, leaf in enumerate(leaves) for a, b in _splits(leaf.shape, dims[i], int(leaf.size))]
             leaves = [whole[i] if (a, b) == (0, whole[i].shape[0]) else whole[i][a:b] for i, a, b in cuts]
             owner, dims = [i for i, _, _ in cuts], [dims[i] for i, _, _ in cuts]
-            out_leaves = [None] * len(leaves)
-        for b, (group, _) in enumerate(_layout(leaves, m, False) if quantized else []):
+        out_leaves = [None] * len(leaves)
+        previous = None
+        for b, (group, _) in enumerate(_layout(leaves, m, False)):
             group_leaves = [leaves[i] for i in group]
+            if bucket_size is not None and previous is not None:
+                # one bucket at a time: its inputs are taken only once the previous bucket's result exists,
+                # so the fp32 working copies (conversions, transposes, rotations) of two buckets never coexist
+                group_leaves, _ = lax.optimization_barrier((group_leaves, previous))
+            if not quantized:
+                for i, out in zip(group, _exact(group_leaves, m, [dims[i] for i in group] if scatter else None)):
+                    out_leaves[i] = out
+                previous = [out_leaves[i] for i in group]
+                continue
             if fast_axis is None:
                 rows, bucket = coll.make_bucket(group_leaves, m, block_size, scatter=scatter,
                                                 dims=[dims[i] for i in group] if scatter else None)
@@ -483,6 +508,7 @@ def compress(
                 shard = coll.unbucket_shard(cfg.rotate_out(chunk[None], b)[0], bucket)
                 for i, leaf in zip(group, jax.tree.leaves(shard)):
                     out_leaves[i] = leaf.astype(_out_dtype(leaves[i]))
+                previous = [out_leaves[i] for i in group]
                 continue
             if mode == "two_stage":
                 if compensate_second_stage:
@@ -499,6 +525,7 @@ def compress(
                 mean_rows = lax.all_gather(mean_rows.reshape(1, -1), fast_axis, axis=0, tiled=True, to="invarying")
             for i, leaf in zip(group, jax.tree.leaves(coll.unbucket(mean_rows, bucket))):
                 out_leaves[i] = leaf
+            previous = [out_leaves[i] for i in group]
 
         if len(out_leaves) != len(whole):  # the pieces of each cut leaf, back together on dim 0
             parts = [[] for _ in whole]
@@ -506,7 +533,9 @@ def compress(
                 parts[i].append(piece)
             out_leaves = [p[0] if len(p) == 1 else jnp.concatenate(p, axis=0) for p in parts]
         leaves = whole
-        ok = global_all_finite((leaves, out_leaves))
+        # A NaN or Inf anywhere in any device's gradient reaches some device's output (sums and decoded blocks
+        # propagate it), so the outputs decide: with reduce="scatter" a pass over shards, not full gradients.
+        ok = global_all_finite(out_leaves)
         fill = 0.0 if nonfinite == "skip" else jnp.nan
         out_leaves = [jnp.where(ok, o, jnp.asarray(fill, o.dtype)) for o in out_leaves]
         candidate = state._replace(

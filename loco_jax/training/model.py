@@ -354,7 +354,10 @@ class Transformer(nnx.Module):
                 preferred_element_type=jnp.float32,
             )
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, layer_fn=None, layer_extra=None):
+        """``layer_fn(layer_params, extra)`` (scanned layers only) maps each layer's pure parameter dict
+        inside the scan before the layer runs; ``layer_extra`` is scanned beside the layers (FSDP gathers
+        each layer's shards there, ``loco_jax.training.steps``)."""
         cfg = self.config
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be (batch, seq), got shape {tokens.shape}.")
@@ -367,13 +370,18 @@ class Transformer(nnx.Module):
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
 
-            def body(h, layer_state):
+            def body(h, item):
+                layer_state, extra = item
+                if layer_fn is not None:
+                    layer_state = layer_fn(nnx.to_pure_dict(layer_state), extra)
                 return nnx.merge(graphdef, layer_state)(h, cos, sin), None
 
             if cfg.remat:
                 body = jax.checkpoint(body, prevent_cse=False)
-            x, _ = jax.lax.scan(body, x, state)
+            x, _ = jax.lax.scan(body, x, (state, layer_extra))
         else:
+            if layer_fn is not None:
+                raise ValueError("layer_fn maps the layers of a scanned stack; this model has scan_layers=False.")
             for block in self.layers:
                 if cfg.remat:
                     graphdef, state = nnx.split(block)
@@ -420,18 +428,22 @@ def abstract_params(config: ModelConfig) -> dict:
     return params_of(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
 
 
-def apply(config: ModelConfig, params, tokens):
-    """``tokens`` int32 ``(B, T)`` -> fp32 logits ``(B, T, V)``; runs :class:`Transformer` via ``nnx.merge``."""
-    return from_params(config, params)(jnp.asarray(tokens))
+def apply(config: ModelConfig, params, tokens, *, layer_fn=None, layer_extra=None):
+    """``tokens`` int32 ``(B, T)`` -> fp32 logits ``(B, T, V)``; runs :class:`Transformer` via ``nnx.merge``.
+
+    ``layer_fn``, ``layer_extra``: see :meth:`Transformer.__call__` (``params["layers"]`` may then hold
+    what ``layer_fn`` turns into each layer's parameters, e.g. FSDP shards).
+    """
+    return from_params(config, params)(jnp.asarray(tokens), layer_fn=layer_fn, layer_extra=layer_extra)
 
 
-def loss_fn(config: ModelConfig, params, tokens, targets, mask=None):
+def loss_fn(config: ModelConfig, params, tokens, targets, mask=None, *, layer_fn=None, layer_extra=None):
     """Mean next-token cross-entropy (fp32): ``targets[b, t]`` is the label of position ``t``.
 
     ``mask`` (same shape as ``targets``, bool or 0/1) weights positions; the mean
     is over the masked-in positions (0 when none are).
     """
-    logits = apply(config, params, tokens)
+    logits = apply(config, params, tokens, layer_fn=layer_fn, layer_extra=layer_extra)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     if mask is None:
         return jnp.mean(ce)

@@ -98,43 +98,111 @@ def model_config(cfg: config_lib.Config) -> model_lib.ModelConfig:
     )
 
 
-def loss_and_grad(mcfg, params, inputs, targets, accum_steps=1):
+def loss_and_grad(grad_fn, inputs, targets, accum_steps=1):
     """Mean loss and its gradient over ``inputs``, in ``accum_steps`` micro-batches of equal size.
 
-    The micro-batches' gradients are summed in fp32 (the first one starts the sum, so its type is the
-    gradient's own) and divided by ``accum_steps``: the mean gradient of the whole batch.
+    ``grad_fn(x, y) -> (loss, grads)`` (:func:`local_grad_fn`). The micro-batches' gradients are summed in
+    fp32 (the first one starts the sum, so its type is the gradient's own) and divided by
+    ``accum_steps``: the mean gradient of the whole batch.
     """
-    grad_fn = jax.value_and_grad(lambda p, x, y: model_lib.loss_fn(mcfg, p, x, y))
     if accum_steps == 1:
-        return grad_fn(params, inputs, targets)
+        return grad_fn(inputs, targets)
     xs, ys = (a.reshape((accum_steps, -1) + a.shape[1:]) for a in (inputs, targets))
-    loss, grads = grad_fn(params, xs[0], ys[0])
+    loss, grads = grad_fn(xs[0], ys[0])
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
     def body(carry, xy):
         loss_sum, grad_sum = carry
-        l, g = grad_fn(params, *xy)
+        l, g = grad_fn(*xy)
         return (loss_sum + l, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g)), None
 
     (loss, grads), _ = lax.scan(body, (loss, grads), (xs[1:], ys[1:]))
     return loss / accum_steps, jax.tree.map(lambda g: g / accum_steps, grads)
 
 
-def full_params(mcfg, params, shard_dims):
-    """The parameters the model runs on: ``params`` itself, or with FSDP the gathered shards (compute dtype)."""
-    if shard_dims is None:
-        return params
-    return fsdp.gather(params, shard_dims, "data", dtype=mcfg.cdtype)
+def _per_layer(mcfg, params, shard_dims):
+    """FSDP with scanned layers: the stack's shards are gathered one layer at a time inside the scan."""
+    return shard_dims is not None and mcfg.scan_layers and "layers" in params
+
+
+def _layer_gather(mcfg, shard_dims):
+    """``layer_fn`` for the model: a layer's shards (its slice of the stack, so one dimension less) gathered
+    in the compute dtype, plus ``delta`` (zeros whose cotangent is the layer's full local gradient)."""
+    dims = jax.tree.map(lambda d: d - 1, shard_dims["layers"])
+
+    def layer_fn(shards, delta):
+        full = fsdp.gather(shards, dims, "data", dtype=mcfg.cdtype)
+        return full if delta is None else jax.tree.map(lambda f, z: f + z, full, delta)
+
+    return layer_fn
+
+
+def local_grad_fn(mcfg, params, shard_dims=None):
+    """``(x, y) -> (loss, full local gradient)`` for this step's ``params``, with no hidden psum.
+
+    Replicated: the parameters cast to varying over the data axes (the README recipe). FSDP: the
+    gathered parameters, gathered outside ``jax.grad`` (the transpose of a gather inside it would be an
+    exact reduce-scatter that bypasses LoCo). With scanned layers the stack is gathered per layer
+    inside the scan (only one layer is ever whole; remat gathers it again in the backward pass), and its
+    full local gradient is the cotangent of zeros added to each gathered layer.
+    """
+    axes = _data_axes()
+    loss = lambda p, x, y, **kw: model_lib.loss_fn(mcfg, p, x, y, **kw)
+    if not _per_layer(mcfg, params, shard_dims):
+        full = params if shard_dims is None else fsdp.gather(params, shard_dims, "data", dtype=mcfg.cdtype)
+        varying = _varying(full, axes)
+        return lambda x, y: jax.value_and_grad(loss)(varying, x, y)
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    rest_full = _varying(fsdp.gather(rest, {k: shard_dims[k] for k in rest}, "data", dtype=mcfg.cdtype), axes)
+    stack = lax.stop_gradient(params["layers"])
+    n = lax.axis_size("data")
+    # typed like the stack itself (DiLoCo: varying over replica too), else the transpose would psum the
+    # layers' gradient over the axes the zeros are invariant over
+    stack_axes = set().union(*(specs.varying_axes(x) for x in jax.tree.leaves(stack)))
+    delta_axes = tuple(a for a in specs.manual_axes() if a in axes or a in stack_axes)
+    delta = _varying(jax.tree.map(lambda x, d: jnp.zeros(_full_shape(x.shape, d, n), mcfg.cdtype), stack,
+                                  shard_dims["layers"]), delta_axes)
+    layer_fn = _layer_gather(mcfg, shard_dims)
+
+    def with_layers(rest_p, zeros, x, y):
+        return loss(dict(rest_p, layers=stack), x, y, layer_fn=layer_fn, layer_extra=zeros)
+
+    def grad_fn(x, y):
+        value, (g_rest, g_layers) = jax.value_and_grad(with_layers, argnums=(0, 1))(rest_full, delta, x, y)
+        return value, dict(g_rest, layers=g_layers)
+
+    return grad_fn
+
+
+def _varying(tree, axes):
+    return lax.pcast(tree, axes, to="varying") if axes else tree  # outside shard_map: nothing to cast
+
+
+def _full_shape(shard_shape, dim, parts):
+    """The full shape of a leaf whose shard on ``dim`` over ``parts`` devices has ``shard_shape``."""
+    return tuple(n * parts if i == dim else n for i, n in enumerate(shard_shape))
+
+
+def eval_loss(mcfg, params, inputs, targets, shard_dims=None):
+    """The model's mean loss on ``params`` (replicated, or FSDP shards gathered as the train step does)."""
+    if _per_layer(mcfg, params, shard_dims):
+        rest = {k: v for k, v in params.items() if k != "layers"}
+        full = dict(fsdp.gather(rest, {k: shard_dims[k] for k in rest}, "data", dtype=mcfg.cdtype),
+                    layers=params["layers"])
+        return model_lib.loss_fn(mcfg, full, inputs, targets, layer_fn=_layer_gather(mcfg, shard_dims))
+    full = params if shard_dims is None else fsdp.gather(params, shard_dims, "data", dtype=mcfg.cdtype)
+    return model_lib.loss_fn(mcfg, full, inputs, targets)
 
 
 def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shard_dims=None, accum_steps=1):
     """One step inside ``shard_map``: loss, gradient (no hidden psum), the optimizer, new params."""
-    varying = lax.pcast(full_params(mcfg, params, shard_dims), _data_axes(), to="varying")  # the README recipe
-    loss, grads = loss_and_grad(mcfg, varying, inputs, targets, accum_steps)
+    loss, grads = loss_and_grad(local_grad_fn(mcfg, params, shard_dims), inputs, targets, accum_steps)
     extra = {} if phase is None else {"phase": phase}
     updates, opt_state = tx.update(grads, opt_state, params, **extra)
     params = optax.apply_updates(params, updates)
-    grad_sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+    # squares in the gradient's dtype, summed in fp32: no fp32 copy of a gradient-sized leaf is made
+    grad_sq = sum(loco.reduce_leaf(lambda x: jnp.sum(jnp.square(x), dtype=jnp.float32), g)
+                  for g in jax.tree.leaves(grads))
     n = float(sum(g.size for g in jax.tree.leaves(grads)))  # a Python float: 8B values overflow int32
     grad_rms = jnp.sqrt(grad_sq / n)  # this device's local gradient
     axes = specs.manual_axes()
@@ -144,6 +212,5 @@ def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shar
 
 def eval_step(mcfg, params, inputs, targets, *, shard_dims=None):
     """Mean loss over the eval batch, inside ``shard_map`` (params identical everywhere, or FSDP shards)."""
-    loss = model_lib.loss_fn(mcfg, full_params(mcfg, params, shard_dims), inputs, targets)
-    return lax.pmean(loss, specs.manual_axes())
+    return lax.pmean(eval_loss(mcfg, params, inputs, targets, shard_dims), specs.manual_axes())
 

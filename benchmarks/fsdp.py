@@ -27,11 +27,63 @@ import tempfile
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not benchmarks/
 from benchmarks import common  # noqa: E402  (sets XLA_FLAGS before jax is imported)
 
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
 from loco_jax.training import config as config_lib  # noqa: E402
+from loco_jax.training import model as model_lib  # noqa: E402
 from loco_jax.training.loop import train_and_evaluate  # noqa: E402
 from loco_jax.training.metrics import read_metrics  # noqa: E402
 
 HEADING = "## FSDP against replicated state (benchmarks/fsdp.py)"
+HLO_HEADING = "## Wire bytes of the trainer's step: replicated, FSDP, hierarchical (benchmarks/fsdp.py --hlo)"
+
+LAYOUTS = {  # data parallel on 8 devices, the tiny model (scanned layers, so FSDP cuts off the layer axis)
+    "replicated": [],
+    "FSDP (1/8 of the state per device)": ["mesh.fsdp=true"],
+    "hierarchical: 2 hosts x 4 devices": ["mesh.data=2", "mesh.local=4"],
+}
+
+
+def step_bytes(sets):
+    """Per device, from the compiled step: bytes by payload dtype, and the bytes crossing hosts of 4 devices."""
+    import tempfile as _tempfile
+
+    from loco_jax import hlo
+    from loco_jax.training.trainer import Trainer
+
+    base = ["mesh.replicas=1", "diloco.enabled=false", "model.scan_layers=true", "sample_tokens=0"]
+    cfg = config_lib.load(os.path.join(common.ROOT, "configs", "tiny.py"), base + sets)
+    with _tempfile.TemporaryDirectory() as workdir:
+        t = Trainer(cfg, workdir, log=lambda *a: None)
+        report = hlo.collective_bytes(t.program(None, t.abstract_state(), t.abstract_batch()))
+        n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model_lib.abstract_params(t.mcfg)))
+    by_dtype = {}
+    for op in report.ops:
+        for dtype, n in op.bytes_by_dtype().items():
+            by_dtype[dtype] = by_dtype.get(dtype, 0.0) + n
+    across = sum(op.total_bytes for op in report.ops if op.spans(4))
+    across_float = sum(op.total_bytes for op in report.ops if op.spans(4) and op.dtype != "u8")
+    return report.total, by_dtype, across, across_float, n
+
+
+def hlo_table():
+    rows, n = [], 0
+    for name, sets in LAYOUTS.items():
+        for label, bits in (("exact fp32", ["loco.bits=None"]), ("LoCo 4-bit", ["loco.bits=4"])):
+            total, by_dtype, across, across_float, n = step_bytes(sets + bits)
+            rows.append(f"| {name} | {label} | {common.human(total)} | {common.human(by_dtype.get('u8', 0))} | "
+                        f"{common.human(by_dtype.get('f32', 0))} | {common.human(across)} | {common.human(across_float)} |")
+    lines = [f"The tiny model ({n:,} parameters, scanned layers) as data parallel on 8 devices; bytes per device per "
+             "step read from the compiled step program (`hlo.collective_bytes`). \"across hosts\": collectives whose "
+             "device groups span the 4-device blocks (the hosts of the hierarchical layout; for the other layouts "
+             "the same split shows what would cross such hosts).", "",
+             "| layout | gradient exchange | total | uint8 | fp32 | across hosts | of which not uint8 |",
+             "|---|---|---:|---:|---:|---:|---:|"] + rows
+    lines += ["", "FSDP adds the all-gather of the parameters (fp32 here: the tiny recipe computes in fp32 only in "
+              "tests; in bf16 it is half) and keeps only the reduce-scatter half of LoCo's all-reduce; the "
+              "hierarchical layout sends the gradient across hosts as uint8 only (plus scalars)."]
+    return "\n".join(lines)
 
 
 def run(steps, fsdp, exact):
@@ -54,8 +106,12 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--hlo", action="store_true", help="only the wire-bytes table (compiles, trains nothing)")
     args = parser.parse_args(argv)
     started = common.start()
+    if args.hlo:
+        common.report(HLO_HEADING, hlo_table(), no_write=args.no_write, extra_args=sys.argv[1:], started=started)
+        return
     exact = {False: [], True: []}
     for _ in range(args.repeats):
         for fsdp in (False, True):

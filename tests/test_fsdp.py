@@ -218,3 +218,26 @@ def test_hierarchical_data_parallel_is_low_bit_only_across_hosts(text_file, tmp_
     assert all(op.dtype == "u8" or op.payload_bytes <= 16 for op in across), report.table()  # scalars only
     with pytest.raises(ValueError, match="mesh.local=4 .* is for data parallel"):
         Trainer(small_config(text_file, **{"mesh.local": 4}), str(tmp_path))
+
+
+def test_the_8b_recipe_shards_its_state_to_an_eighth_plus_the_error_buffer():
+    """configs/diloco_8b.py on one replica of 8 devices, traced abstractly (nothing compiles or allocates):
+    every device holds 1/8 of parameters, moments, global parameters and outer momentum, plus LoCo's
+    full-size 8-bit error buffer."""
+    import os
+
+    from loco_jax.training import config as config_lib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = config_lib.load(os.path.join(root, "configs", "diloco_8b.py"), ["mesh.replicas=1", "mesh.data=8",
+                                                                         "batch_size=64"])
+    t = Trainer(cfg, "/nonexistent")
+    state = t.abstract_state()
+    per_device = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model_lib.abstract_params(t.mcfg)))
+    assert n > 8.0e9
+    sharded = 4 * n * (1 + 2 + 1 + 1) / 8  # parameters, AdamW moments, global parameters, outer momentum
+    error = n * (1 + 4 / 256)  # 8-bit codes and a scale per 256 values, not sharded
+    assert abs(per_device - (sharded + error)) / (sharded + error) < 0.01, (per_device / 2**30, (sharded + error) / 2**30)
+    replicated = 4 * n * 5 + error
+    assert per_device <= (replicated - error) / 8 + error * 1.01

@@ -67,7 +67,7 @@ class _UpdateSeesNaNParams:
         return self.tx.update(grads, state, seen, **extra)
 
 
-def _poisoning_train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None):
+def _poisoning_train_step(tx, mcfg, params, opt_state, inputs, targets, **kwargs):
     """The real ``trainer.train_step`` with two fault injectors keyed on marker tokens in this device's rows.
 
     Rows holding INF_MARK scale this device's loss (hence its gradient) by Inf.
@@ -81,9 +81,9 @@ def _poisoning_train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase
     axes = ("data",) if "replica" in specs.varying_axes(jax.tree.leaves(params)[0]) else ("replica", "data")
     outer_here = lax.pmax(jnp.any(inputs == NAN_OUTER_MARK).astype(jnp.int32), axes) > 0
     loss_fn = model_lib.loss_fn
-    model_lib.loss_fn = lambda *a: loss_fn(*a) * jnp.where(inf_here, jnp.inf, 1.0)  # while this step traces
+    model_lib.loss_fn = lambda *a, **kw: loss_fn(*a, **kw) * jnp.where(inf_here, jnp.inf, 1.0)  # while this traces
     try:
-        return _TRAIN_STEP(_UpdateSeesNaNParams(tx, outer_here), mcfg, params, opt_state, inputs, targets, phase=phase)
+        return _TRAIN_STEP(_UpdateSeesNaNParams(tx, outer_here), mcfg, params, opt_state, inputs, targets, **kwargs)
     finally:
         model_lib.loss_fn = loss_fn
 
@@ -113,8 +113,10 @@ def _run(monkeypatch, cfg, workdir, *, corrupt=None, drop=False, stop_after=None
                         lambda self, seed, state=None: _Batches(original(self, seed, state), BAD_STEP, corrupt, drop))
     monkeypatch.setattr(steps, "train_step", _poisoning_train_step)
     logs = []
-    summary = trainer.train_and_evaluate(cfg, str(workdir), log=logs.append, stop_after=stop_after)
-    monkeypatch.undo()
+    try:
+        summary = trainer.train_and_evaluate(cfg, str(workdir), log=logs.append, stop_after=stop_after)
+    finally:  # a failing run must not leave the injectors in place for later tests
+        monkeypatch.undo()
     return summary, logs
 
 

@@ -42,7 +42,12 @@ CASES = [
     ({"diloco.alpha": "1.5"}, ValueError, r"alpha=1.5 must lie in \[0, 1\]"),
     ({"diloco.mode": "ring"}, ValueError, "mode='ring' is unknown"),
     ({"diloco.num_fragments": "5", "diloco.overlap": "0"}, ValueError, "num_fragments=5 puts the 2 transformer blocks into 4 fragments"),
-    ({"mesh.replicas": "3"}, ValueError, "mesh.replicas=3 x mesh.fsdp=1 does not divide the 8 devices"),
+    ({"mesh.replicas": "3"}, ValueError, "mesh.replicas=3 does not divide the 8 devices"),
+    # FSDP over 4 devices: a leaf with no dimension divisible by 4 is named with its shape
+    ({"mesh.fsdp": "true", "model.d_model": "30", "model.num_heads": "3", "model.d_ff": "90"},
+     ValueError, r"FSDP over 4 devices: parameter 'final_norm/scale' of shape \(30,\)"),
+    ({"accum_steps": "4"}, ValueError, "accum_steps=4 must divide the 2 sequences each device gets"),
+    ({"mesh.local": "2"}, ValueError, "mesh.local=2 .* is for data parallel"),
     ({"mesh.data": "2"}, ValueError, "needs 4 devices, but 8 are visible"),
     ({"diloco.enabled": "false"}, ValueError, "mesh.replicas=2 needs diloco.enabled=True"),
     ({"batch_size": "12"}, ValueError, "batch_size=12 must be a multiple of the 8 devices"),

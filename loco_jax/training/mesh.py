@@ -99,10 +99,8 @@ def make_mesh(replicas: int = 1, data: int | None = None, local: int = 1, device
             raise ValueError(f"mesh.{name}={value!r} must be a positive integer.")
     if data is None:
         if n % (replicas * local):
-            raise ValueError(
-                f"mesh.replicas={replicas} x mesh.local={local} does not divide the {n} devices; choose sizes whose "
-                f"product divides {n}."
-            )
+            sizes = f"mesh.replicas={replicas}" + (f" x mesh.local={local}" if local > 1 else "")
+            raise ValueError(f"{sizes} does not divide the {n} devices; choose sizes whose product divides {n}.")
         data = n // (replicas * local)
     if isinstance(data, bool) or not isinstance(data, int) or data < 1:
         raise ValueError(f"mesh.data={data!r} must be a positive integer.")

@@ -60,8 +60,8 @@ def step_bytes(sets):
         n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model_lib.abstract_params(t.mcfg)))
     by_dtype = {}
     for op in report.ops:
-        for dtype, n in op.bytes_by_dtype().items():
-            by_dtype[dtype] = by_dtype.get(dtype, 0.0) + n
+        for dtype, size in op.bytes_by_dtype().items():
+            by_dtype[dtype] = by_dtype.get(dtype, 0.0) + size
     across = sum(op.total_bytes for op in report.ops if op.spans(4))
     across_float = sum(op.total_bytes for op in report.ops if op.spans(4) and op.dtype != "u8")
     return report.total, by_dtype, across, across_float, n
@@ -73,16 +73,18 @@ def hlo_table():
         for label, bits in (("exact fp32", ["loco.bits=None"]), ("LoCo 4-bit", ["loco.bits=4"])):
             total, by_dtype, across, across_float, n = step_bytes(sets + bits)
             rows.append(f"| {name} | {label} | {common.human(total)} | {common.human(by_dtype.get('u8', 0))} | "
-                        f"{common.human(by_dtype.get('f32', 0))} | {common.human(across)} | {common.human(across_float)} |")
+                        f"{common.human(by_dtype.get('u16', 0))} | {common.human(by_dtype.get('f32', 0))} | "
+                        f"{common.human(across)} | {common.human(across_float)} |")
     lines = [f"The tiny model ({n:,} parameters, scanned layers) as data parallel on 8 devices; bytes per device per "
              "step read from the compiled step program (`hlo.collective_bytes`). \"across hosts\": collectives whose "
              "device groups span the 4-device blocks (the hosts of the hierarchical layout; for the other layouts "
              "the same split shows what would cross such hosts).", "",
-             "| layout | gradient exchange | total | uint8 | fp32 | across hosts | of which not uint8 |",
-             "|---|---|---:|---:|---:|---:|---:|"] + rows
-    lines += ["", "FSDP adds the all-gather of the parameters (fp32 here: the tiny recipe computes in fp32 only in "
-              "tests; in bf16 it is half) and keeps only the reduce-scatter half of LoCo's all-reduce; the "
-              "hierarchical layout sends the gradient across hosts as uint8 only (plus scalars)."]
+             "| layout | gradient exchange | total | uint8 | uint16 | fp32 | across hosts | of which not uint8 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"] + rows
+    lines += ["", "uint16 is FSDP's all-gather of the parameters in the recipe's bf16 compute dtype (sent as bit "
+              "patterns); with it FSDP keeps only the reduce-scatter half of the gradient exchange (exact: fp32; "
+              "LoCo: uint8). The hierarchical layout sends the gradient across hosts as uint8 only, plus scalars; "
+              "its fp32 traffic (the exact reduce-scatter and all-gather of each host's shard) stays inside a host."]
     return "\n".join(lines)
 
 

@@ -175,6 +175,16 @@ def test_fsdp_state_is_sharded_like_the_parameters(text_file):  # noqa: F811
     assert shard == (2, 32, 96 // 4)
 
 
+def test_samples_come_from_the_sharded_global_parameters(runs):
+    """train.py --sample on an FSDP workdir: the sharded global parameters are gathered to one device; the
+    greedy continuation equals the replicated run's (the two runs hold the same parameters to the bit)."""
+    from loco_jax.training import sample
+
+    got = sample.sample_workdir(runs["fsdp"], log=quiet, prompts=["the "], length=8, temperature=0.0)
+    want = sample.sample_workdir(runs["replicated"], log=quiet, prompts=["the "], length=8, temperature=0.0)
+    assert got and got == want
+
+
 def test_an_fsdp_checkpoint_on_another_mesh_is_refused_by_name(runs, text_file):  # noqa: F811
     cfg = small_config(text_file, **EXACT, **{"mesh.fsdp": True, "mesh.replicas": 1, "diloco.enabled": True})
     t = Trainer(cfg, runs["fsdp"])

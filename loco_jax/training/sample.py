@@ -159,7 +159,9 @@ def on_one_device(params, device=None):
                     return shard.data
             return jax.device_put(x.addressable_shards[0].data, device)
         if x.is_fully_addressable:
-            return jax.device_put(x, device)
+            # through the host: device_put of an explicitly sharded array onto one device keeps the sharded
+            # type (its aval still reads e.g. f32[256@data, 32]), which the sampler's gathers then refuse
+            return jax.device_put(np.asarray(jax.device_get(x)), device)
         from jax.experimental import multihost_utils
 
         return jax.device_put(multihost_utils.process_allgather(x, tiled=True), device)

@@ -178,8 +178,7 @@ def reduce_leaf(fn, leaf):
     gradient-sized leaf); slice by slice only one slice is ever materialized.
     """
     if leaf.ndim >= 2 and leaf.size > _CHUNKED and leaf.shape[0] > 1:
-        # the barrier keeps the compiler from converting the whole leaf before the loop slices it
-        return fn(lax.map(lambda x: fn(lax.optimization_barrier(x)), leaf))
+        return fn(lax.map(fn, leaf))
     return fn(leaf)
 
 

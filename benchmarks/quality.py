@@ -148,9 +148,14 @@ def argv_of(name, overrides):
     return ["train.py", "--config", "configs/ddp.py", "--workdir", cell_dir(name, overrides)] + sets
 
 
+def steps_of(name) -> int:
+    """The cell's run length: the last ``steps=`` of BASE and its overrides (480 unless a cell sets one)."""
+    return int([kv for kv in BASE + _OVERRIDES[name] if kv.startswith("steps=")][-1].split("=", 1)[1])
+
+
 def finished(name) -> bool:
     rows = _metrics(name)
-    return any(r.get("step") == STEPS and "eval_loss" in r for r in rows)
+    return any(r.get("step") == steps_of(name) and "eval_loss" in r for r in rows)
 
 
 def _metrics(name):
@@ -176,7 +181,7 @@ def run_cell(name, overrides, index, total):
 
 
 def final(name):
-    rows = [r for r in _metrics(name) if "eval_loss" in r and r["step"] == STEPS]
+    rows = [r for r in _metrics(name) if "eval_loss" in r and r["step"] == steps_of(name)]
     return rows[-1]["eval_loss"] if rows else float("nan")
 
 

@@ -64,27 +64,34 @@ def loco_step(g, e, bits, beta, *, block_size=256, error_bits=8, reset=False, mo
 
 @functools.lru_cache(maxsize=None)
 def gaussian_lloyd_max(n, iters=4000):
-    """Lloyd-Max levels of N(0, 1) with n levels, from scipy's normal distribution (an independent derivation)."""
-    from scipy import stats
+    """Lloyd-Max levels of N(0, 1) with n levels: the centroid iteration on scipy's normal CDF (an independent
+    derivation)."""
+    from scipy import special
 
+    pdf = lambda t: np.exp(-0.5 * t * t) / np.sqrt(2 * np.pi)  # noqa: E731  (0 at +-inf)
     levels = np.linspace(-2.0, 2.0, n)
     for _ in range(iters):
         edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
-        mass = stats.norm.cdf(edges[1:]) - stats.norm.cdf(edges[:-1])
-        levels = (stats.norm.pdf(edges[:-1]) - stats.norm.pdf(edges[1:])) / mass
+        mass = special.ndtr(edges[1:]) - special.ndtr(edges[:-1])
+        levels = (pdf(edges[:-1]) - pdf(edges[1:])) / mass
     return levels
 
 
 @functools.lru_cache(maxsize=None)
 def gaussian_uniform_step(n):
-    """The MSE-optimal step of an n-level mid-rise uniform quantizer of N(0, 1), by numerical integration."""
-    from scipy import integrate, optimize, stats
+    """The MSE-optimal step of an n-level mid-rise uniform quantizer of N(0, 1), by numerical integration.
+
+    E(t - Q(t))^2 is integrated with the trapezoid rule on a fine grid over [-12, 12] (the library uses
+    the closed form of each cell; this is the independent check), then minimised over the step."""
+    from scipy import optimize, stats
+
+    trapezoid = getattr(np, "trapezoid", None) or np.trapz  # numpy < 2 names it trapz
+    t = np.linspace(-12.0, 12.0, 480_001)
+    pdf = stats.norm.pdf(t)
 
     def mse(step):
-        levels = (np.arange(n) + 0.5 - n / 2) * step
-        edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
-        return sum(integrate.quad(lambda t, l=l: (t - l) ** 2 * stats.norm.pdf(t), a, b)[0]
-                   for a, b, l in zip(edges[:-1], edges[1:], levels))
+        k = np.clip(np.floor(t / step + n / 2), 0, n - 1)
+        return trapezoid((t - (k + 0.5 - n / 2) * step) ** 2 * pdf, t)
 
     return optimize.minimize_scalar(mse, bounds=(0.01, 3.0), method="bounded", options={"xatol": 1e-7}).x
 

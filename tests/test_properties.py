@@ -1,5 +1,7 @@
 """Property tests (hypothesis, bounded) of the quantizers and the quantized all-reduce."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,19 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import collectives, quant
 from tests.helpers import put
+
+def jitted(fn, *static, **static_kw):
+    """``fn`` under one ``jax.jit`` per setting: ``jitted(f, 4, format="e3m0")(x)`` is ``f(x, 4, format="e3m0")``.
+
+    Hypothesis calls each test a dozen times on a few shapes; op-by-op dispatch compiled every primitive
+    anew for each shape, one jitted program per shape is a fraction of that."""
+    return _jitted(fn, static, tuple(sorted(static_kw.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(fn, static, static_kw):
+    return jax.jit(lambda *arrays: fn(*arrays, *static, **dict(static_kw)))
+
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BLOCK = 64
@@ -42,16 +57,16 @@ def blocks(draw, max_rows=4):
 def test_pack_unpack_round_trip_any_shape(bits, n_groups, lead, seed):
     n = n_groups * (8 // bits)
     codes = np.random.RandomState(seed).randint(0, 2**bits, size=(lead, n)).astype(np.uint8)
-    packed = quant.pack(jnp.asarray(codes), bits)
+    packed = jitted(quant.pack, bits)(jnp.asarray(codes))
     assert packed.dtype == jnp.uint8 and packed.shape == (lead, n * bits // 8)
-    np.testing.assert_array_equal(np.asarray(quant.unpack(packed, bits)), codes)
+    np.testing.assert_array_equal(np.asarray(jitted(quant.unpack, bits)(packed)), codes)
 
 
 @SETTINGS
 @given(x=blocks(), bits=st.sampled_from([8, 4, 2]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]))
 def test_int_quantizer_error_is_at_most_half_a_step(x, bits, dtype):
     x = flushed(np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)))  # what the dtype holds (float16 may overflow)
-    got = np.asarray(quant.quantize_dequantize(jnp.asarray(x), bits, block_size=BLOCK))
+    got = np.asarray(jitted(quant.quantize_dequantize, bits, block_size=BLOCK)(jnp.asarray(x)))
     blocks_x, blocks_q = x.reshape(-1, BLOCK), got.reshape(-1, BLOCK)
     for bx, bq in zip(blocks_x, blocks_q):
         if not np.all(np.isfinite(bx)):
@@ -70,8 +85,8 @@ def flushed(x):
 @given(x=blocks())
 def test_e3m0_and_one_bit_bounds(x):
     x = flushed(x)
-    got = np.asarray(quant.quantize_dequantize(jnp.asarray(x), 4, block_size=BLOCK, format="e3m0"))
-    sign = np.asarray(quant.quantize_dequantize(jnp.asarray(x), 1, block_size=BLOCK))
+    got = np.asarray(jitted(quant.quantize_dequantize, 4, block_size=BLOCK, format="e3m0")(jnp.asarray(x)))
+    sign = np.asarray(jitted(quant.quantize_dequantize, 1, block_size=BLOCK)(jnp.asarray(x)))
     for bx, be, bs in zip(x.reshape(-1, BLOCK), got.reshape(-1, BLOCK), sign.reshape(-1, BLOCK)):
         amax = np.abs(bx).max()
         # nearest power-of-two level: at most a third off above amax * 2**-6, at most amax * 2**-7 below
@@ -91,7 +106,7 @@ def test_subnormal_values_decode_to_zero(bits, fmt, seed):
         return
     x = np.random.RandomState(seed).randn(2, BLOCK).astype(np.float32) * np.float32(1e-40)
     x[1] = np.random.RandomState(seed).randn(BLOCK)  # a normal block beside it is unaffected
-    got = np.asarray(quant.quantize_dequantize(jnp.asarray(x), bits, block_size=BLOCK, format=fmt))
+    got = np.asarray(jitted(quant.quantize_dequantize, bits, block_size=BLOCK, format=fmt)(jnp.asarray(x)))
     np.testing.assert_array_equal(got[0], 0.0)
     assert np.any(got[1] != 0)
 
@@ -103,10 +118,10 @@ def test_nonfinite_values_poison_only_their_block(x, bits, nan_at, bad):
     flat = x.reshape(-1)
     i = nan_at % flat.size
     flat[i] = bad
-    codes, scales = quant.quantize(jnp.asarray(x).reshape(-1, BLOCK), bits)
-    finite = np.asarray(quant.finite_blocks(scales))
+    codes, scales = jitted(quant.quantize, bits)(jnp.asarray(x).reshape(-1, BLOCK))
+    finite = np.asarray(jitted(quant.finite_blocks)(scales))
     assert not finite[i // BLOCK] and finite.sum() == finite.size - 1
-    out = np.asarray(quant.dequantize(codes, scales, bits)).reshape(-1, BLOCK)
+    out = np.asarray(jitted(quant.dequantize, bits)(codes, scales)).reshape(-1, BLOCK)
     assert np.all(np.isnan(out[i // BLOCK]))
     assert np.all(np.isfinite(np.delete(out, i // BLOCK, axis=0)))
 
@@ -149,12 +164,12 @@ def test_fitted_formats_never_do_worse_than_sending_nothing(x, fmt_bits, rotate)
     finite block decodes finite, no longer than itself (a least-squares projection), zeros to zeros."""
     fmt, bits = fmt_bits
     x = flushed(x)
-    y = quant.rotate(jnp.asarray(x), BLOCK, 3) if rotate else jnp.asarray(x)
-    got = quant.quantize_dequantize(y, bits, block_size=BLOCK, format=fmt)
-    got = np.asarray(quant.unrotate(got, BLOCK, 3) if rotate else got, np.float64)
+    y = jitted(quant.rotate, BLOCK, 3)(jnp.asarray(x)) if rotate else jnp.asarray(x)
+    in_domain = jitted(quant.quantize_dequantize, bits, block_size=BLOCK, format=fmt)(y)
+    got = np.asarray(jitted(quant.unrotate, BLOCK, 3)(in_domain) if rotate else in_domain, np.float64)
     assert np.all(np.isfinite(got))
     yb = np.asarray(y, np.float64).reshape(-1, BLOCK)
-    qb = np.asarray(quant.quantize_dequantize(y, bits, block_size=BLOCK, format=fmt), np.float64).reshape(-1, BLOCK)
+    qb = np.asarray(in_domain, np.float64).reshape(-1, BLOCK)
     for by, bq in zip(yb, qb):
         norm = np.linalg.norm(by)
         assert np.linalg.norm(bq) <= norm * (1 + 1e-5) + 1e-40
@@ -174,9 +189,11 @@ def test_rotated_nonfinite_values_poison_only_their_block(x, bad, at, fmt_bits):
     flat = x.reshape(-1)
     i = at % flat.size
     flat[i] = bad
-    codes, scales = quant.quantize(quant.rotate(jnp.asarray(x), BLOCK, 0).reshape(-1, BLOCK), bits, format=fmt)
-    finite = np.asarray(quant.finite_blocks(scales))
+    rotated = jitted(quant.rotate, BLOCK, 0)(jnp.asarray(x))
+    codes, scales = jitted(quant.quantize, bits, format=fmt)(rotated.reshape(-1, BLOCK))
+    finite = np.asarray(jitted(quant.finite_blocks)(scales))
     assert not finite[i // BLOCK] and finite.sum() == finite.size - 1
-    out = np.asarray(quant.unrotate(quant.dequantize(codes, scales, bits, format=fmt).reshape(x.shape), BLOCK, 0))
+    decoded = jitted(quant.dequantize, bits, format=fmt)(codes, scales).reshape(x.shape)
+    out = np.asarray(jitted(quant.unrotate, BLOCK, 0)(decoded))
     out = out.reshape(-1, BLOCK)
     assert np.all(np.isnan(out[i // BLOCK])) and np.all(np.isfinite(np.delete(out, i // BLOCK, axis=0)))

@@ -1,0 +1,467 @@
+"""Streaming DiLoCo against data parallel at equal tokens: long runs, tuned on both sides.
+
+    python benchmarks/parity.py --plan              # the cells, their count and the expected hours
+    python benchmarks/parity.py --list              # every cell and its train.py command line
+    python benchmarks/parity.py --group tune        # seed 0, 3,000 steps: the settings are chosen here
+    python benchmarks/parity.py --group final       # seeds 1-3, 3,000 steps, at the chosen settings
+    python benchmarks/parity.py --group trend       # seeds 1-3 at 510 and 1,500 steps, the same settings
+    python benchmarks/parity.py --report            # tables and plots from the finished cells
+
+Model and data are ``benchmarks/quality.py``'s (919k parameters, bytes of Shakespeare, 16 sequences
+x 64 tokens per step on 8 simulated CPU devices, AdamW with warm-up and cosine decay, clip 1.0); only
+the run length and the tuned settings differ. Each cell is a resumable ``train.py`` run in
+``runs/quality/NAME-KEY`` (KEY hashes the resolved config, so a cell run under one set of library
+defaults is never read back under another).
+
+Equal tokens: every cell takes the same global batch per step (each of M replicas B/M sequences) for
+the same number of steps, in the same data order for the same seed, so data parallel and DiLoCo see
+the same tokens. Headline cells: H = 30, 3 fragments, overlap 1, alpha 0.5 and the 4-bit outer
+exchange that ``diloco.diloco(bits=4)`` resolves to. The metric is the final eval loss on the global
+parameters. Settings are chosen on seed 0 (``tune``: each knob moved one at a time from the papers'
+defaults; the selection is the best measured cell, never an untried combination) and reported on
+seeds 1-3 (``final``, ``trend``) as signed paired gaps to data parallel with the same seed. A
+``final`` or ``trend`` cell exists only once the ``tune`` cells it is chosen from have finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not benchmarks/
+from benchmarks import common, quality  # noqa: E402
+
+HEADING = "## Streaming DiLoCo at parity with data parallel (benchmarks/parity.py)"
+LONG, TREND = 3000, (510, 1500)
+H, FRAGMENTS = 30, 3
+SEEDS = (1, 2, 3)
+TARGETS = {  # issue 14: mean signed gap to data parallel over seeds 1-3, percent
+    ("stream4", 2): 1.0, ("stream4", 4): 2.0, ("diloco", 2): 2.0,
+}
+# seconds per step alone on the 2 cores (480-step quality cells: data parallel about 1.5 min, a
+# Streaming DiLoCo cell with an exact inner all-reduce about 2 min), for --plan
+SECONDS_PER_STEP = {"dp": 0.19, "diloco": 0.25}
+
+# The papers' defaults (DiLoCo: outer Nesterov lr 0.7, momentum 0.9; inner AdamW at data parallel's lr)
+# and the one-at-a-time moves the tune group tries from them.
+DEFAULT = dict(outer_lr=0.7, momentum=0.9, alpha=0.5, lr=3e-3, h=H)
+DP_LRS = (2e-3, 3e-3, 5e-3)
+STREAM_MOVES = {2: [dict(outer_lr=0.4), dict(outer_lr=1.0), dict(alpha=0.0), dict(alpha=1.0), dict(lr=2e-3),
+                    dict(lr=5e-3), dict(h=60)],
+                4: [dict(outer_lr=0.4), dict(outer_lr=1.0), dict(lr=5e-3)]}
+DILOCO_MOVES = [dict(outer_lr=0.4), dict(outer_lr=1.0)]
+
+
+def _run(seed, steps):
+    return [f"seed={seed}", f"data.seed={seed}", f"steps={steps}", f"eval_every={steps // 10}",
+            f"checkpoint_every={steps // 5}", "log_every=10"]
+
+
+def _dp(seed, steps, lr):
+    return _run(seed, steps) + ["mesh.replicas=1", "diloco.enabled=false", f"optim.lr={lr}"]
+
+
+def _diloco(seed, steps, m, *, bits, fragments, overlap, outer_lr, momentum, alpha, lr, h):
+    return _run(seed, steps) + [
+        f"mesh.replicas={m}", "diloco.enabled=true", f"diloco.sync_every={h}", f"diloco.num_fragments={fragments}",
+        f"diloco.overlap={overlap}", f"diloco.alpha={alpha}", f"diloco.bits={bits}", f"diloco.outer_lr={outer_lr}",
+        f"diloco.outer_momentum={momentum}", f"optim.lr={lr}",
+    ]
+
+
+def _stream(seed, steps, m, bits, s):
+    return _diloco(seed, steps, m, bits=bits, fragments=FRAGMENTS, overlap=1, **s)
+
+
+def _vanilla(seed, steps, m, s):
+    """DiLoCo: one fragment, no overlap, alpha 0 (the local parameters restart from the global ones), fp32."""
+    return _diloco(seed, steps, m, bits=None, fragments=1, overlap=0, **dict(s, alpha=0.0))
+
+
+def _label(s):
+    moved = [f"{k}={v:g}" for k, v in s.items() if v != DEFAULT[k]]
+    return ", ".join(moved) or "defaults"
+
+
+def _suffix(s):
+    return "".join(f"_{k}{v:g}" for k, v in s.items() if v != DEFAULT[k])
+
+
+def tune_cells():
+    """Seed 0 at 3,000 steps; the defaults of every family first (they run first), then the moves."""
+    out = {}
+    for moves in ([{}], None):
+        for lr in DP_LRS:
+            if (lr == DEFAULT["lr"]) == (moves is not None):
+                out[f"par_dp_lr{lr:g}_s0"] = ("tune", _dp(0, LONG, lr))
+        for m, stream_moves in STREAM_MOVES.items():
+            for move in moves or stream_moves:
+                s = dict(DEFAULT, **move)
+                out[f"par_m{m}_stream4{_suffix(s)}_s0"] = ("tune", _stream(0, LONG, m, 4, s))
+        for move in moves or DILOCO_MOVES:
+            s = dict(DEFAULT, **move)
+            out[f"par_m2_diloco{_suffix(s)}_s0"] = ("tune", _vanilla(0, LONG, 2, s))
+    return out
+
+
+TUNE = quality.register(tune_cells())
+
+
+def _best(prefix):
+    """The finished tune cell with the lowest final eval loss among those named ``prefix...``, or None if
+    any of them has not finished (a selection from part of the grid is not made)."""
+    names = [n for n in TUNE if n.startswith(prefix)]
+    if not all(quality.finished(n) for n in names):
+        return None
+    return min(names, key=quality.final)
+
+
+def _settings_of(name):
+    """The DiLoCo settings a tune cell ran with, read back from its overrides."""
+    kv = dict(x.split("=", 1) for x in TUNE[name][1])
+    return dict(outer_lr=float(kv["diloco.outer_lr"]), momentum=float(kv["diloco.outer_momentum"]),
+                alpha=float(kv["diloco.alpha"]), lr=float(kv["optim.lr"]), h=int(kv["diloco.sync_every"]))
+
+
+def selection():
+    """{'dp': lr, ('stream', m): settings, ('diloco', m): settings} for the families whose tune cells have
+    all finished. Vanilla DiLoCo at M = 4 and Streaming DiLoCo's fp32 and 2-bit exchanges take the
+    settings chosen for their M = 2 (vanilla) or 4-bit (Streaming) counterpart."""
+    out = {}
+    best = _best("par_dp_")
+    if best:
+        out["dp"] = float(dict(x.split("=", 1) for x in TUNE[best][1])["optim.lr"])
+    for m in STREAM_MOVES:
+        best = _best(f"par_m{m}_stream4")
+        if best:
+            out[("stream", m)] = _settings_of(best)
+    best = _best("par_m2_diloco")
+    if best:
+        out[("diloco", 2)] = out[("diloco", 4)] = _settings_of(best)
+    return out
+
+
+METHODS = (("stream4", 4), ("stream2", 2), ("stream32", None))
+
+
+def seeded_cells():
+    """final (3,000 steps) and trend (510, 1,500) cells at the chosen settings, seeds 1-3."""
+    chosen, out = selection(), {}
+    for seed in SEEDS:
+        for steps, group in [(LONG, "final")] + [(n, "trend") for n in TREND]:
+            if "dp" in chosen:
+                out[f"par_dp_{steps}_s{seed}"] = (group, _dp(seed, steps, chosen["dp"]))
+            for m in (2, 4):
+                s = chosen.get(("stream", m))
+                if s:
+                    for name, bits in METHODS if group == "final" else METHODS[:1]:
+                        out[f"par_m{m}_{name}_{steps}_s{seed}"] = (group, _stream(seed, steps, m, bits, s))
+                s = chosen.get(("diloco", m))
+                if s and (group == "final" or m == 2):
+                    out[f"par_m{m}_diloco_{steps}_s{seed}"] = (group, _vanilla(seed, steps, m, s))
+    return quality.register(out)
+
+
+def cells():
+    return dict(TUNE, **seeded_cells())
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def plan():
+    """The whole matrix (tune, then final and trend once chosen), its cell count and the expected hours."""
+    n_seeded = {"final": 0, "trend": 0}
+    seconds = {"tune": 0.0, "final": 0.0, "trend": 0.0}
+    for name, (group, overrides) in TUNE.items():
+        seconds["tune"] += LONG * SECONDS_PER_STEP["dp" if "_dp_" in name else "diloco"]
+    # the seeded groups' size does not depend on which settings are chosen
+    per_seed_final = 1 + 2 * len(METHODS) + 2  # data parallel; M = 2, 4: Streaming x 3 exchanges, vanilla
+    per_seed_trend = (1 + 2 + 1) * len(TREND)  # data parallel, Streaming 4-bit at M = 2 and 4, vanilla M = 2
+    n_seeded["final"], n_seeded["trend"] = per_seed_final * len(SEEDS), per_seed_trend * len(SEEDS)
+    seconds["final"] = len(SEEDS) * LONG * (SECONDS_PER_STEP["dp"] + (per_seed_final - 1) * SECONDS_PER_STEP["diloco"])
+    seconds["trend"] = len(SEEDS) * sum(n * (SECONDS_PER_STEP["dp"] + 3 * SECONDS_PER_STEP["diloco"]) for n in TREND)
+    counts = {"tune": len(TUNE), **n_seeded}
+    rows = [f"| {g} | {counts[g]} | {seconds[g] / 3600:.1f} h |" for g in ("tune", "final", "trend")]
+    total = sum(seconds.values()) / 3600
+    return "\n".join([
+        "| group | cells | expected time alone on 2 cores |", "|---|---:|---:|", *rows,
+        f"| all | {sum(counts.values())} | {total:.1f} h |",
+    ])
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _gap(name, ref):
+    return 100 * (quality.final(name) / quality.final(ref) - 1)
+
+
+def cross_replica_bytes(name):
+    """Bytes per replica per step over the slow links, from the cell's compiled programs (programs.json:
+    each program's collectives whose groups span ``replica``), averaged over the run's schedule."""
+    from loco_jax.training.trainer import Trainer
+
+    workdir = os.path.join(common.ROOT, quality.cell_dir(name))
+    with open(os.path.join(workdir, "programs.json")) as f:
+        programs = json.load(f)
+    t = Trainer(_config(name), workdir, log=lambda *a: None)
+    steps = t.cfg.steps
+    return sum(programs[str(t.phase(s))]["cross_replica_per_replica"] for s in range(1, steps + 1)) / steps
+
+
+def _config(name):
+    from loco_jax.training import config as config_lib
+
+    return config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE + quality._OVERRIDES[name])
+
+
+def local_evals(name):
+    """Final eval loss of replica 0's local parameters and of the replicas' average of them, beside the
+    global parameters' (for comparison only), from the cell's last checkpoint; kept in local_eval.json."""
+    workdir = os.path.join(common.ROOT, quality.cell_dir(name))
+    cached = os.path.join(workdir, "local_eval.json")
+    if os.path.exists(cached):
+        with open(cached) as f:
+            return json.load(f)
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from loco_jax.training import checkpoints
+    from loco_jax.training.trainer import Trainer
+
+    cfg = _config(name)
+    t = Trainer(cfg, workdir, log=lambda *a: None)
+    t.init_state()  # the specs the restore needs
+    manager = checkpoints.checkpoint_manager(workdir, cfg.keep_checkpoints)
+    state, _ = checkpoints.restore(manager, cfg.steps, t)
+    manager.close()
+    m = cfg.mesh.replicas
+    blocks = jax.tree.map(lambda x: np.asarray(x).reshape((m, x.shape[0] // m) + x.shape[1:]), state.params)
+    replicated = NamedSharding(t.mesh, P())
+    out = {}
+    for label, pick in (("replica 0", lambda b: b[0]), ("average", lambda b: b.mean(0, dtype=b.dtype))):
+        params = jax.device_put(jax.tree.map(pick, blocks), replicated)
+        losses = [float(t.eval_program()(params, *t.put_batch(batch)))
+                  for batch in t.dataset.eval_batches(cfg.batch_size, cfg.eval_batches)]
+        out[label] = float(np.mean(losses))
+    with open(cached, "w") as f:
+        json.dump(out, f)
+    return out
+
+
+def data_parallel_bytes(m):
+    """What data parallel sends per replica per step across M groups of 8 / M devices: the exact
+    hierarchical fp32 all-reduce of the model's gradient, from compiled HLO (benchmarks/bandwidth.py)."""
+    import jax
+
+    from benchmarks import bandwidth
+    from loco_jax.training import config as config_lib
+    from loco_jax.training import model as model_lib
+    from loco_jax.training.steps import model_config
+
+    cfg = config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE)
+    shapes = model_lib.abstract_params(model_config(cfg))
+    mesh = jax.make_mesh((m, 8 // m), ("replica", "data"))
+    compiled = bandwidth.data_parallel(shapes, mesh, jax.numpy.float32)
+    return bandwidth.replica_bytes(compiled, m, 8 // m)[0]
+
+
+def _epochs(steps):
+    from loco_jax.training import data
+
+    corpus = data.shakespeare_corpus()
+    return steps * 16 * 64 / corpus.train_chars, corpus.train_chars
+
+
+def _fmt(x, spec="+.2f", unit=" %"):
+    return "n/a" if x is None or x != x else f"{x:{spec}}{unit}"
+
+
+def tune_table():
+    best_dp = _best("par_dp_")
+    ref = best_dp or f"par_dp_lr{DEFAULT['lr']:g}_s0"
+    lines = [f"Seed 0, {LONG:,} steps. Gap: to data parallel at its best learning rate on seed 0 (`{ref}`). "
+             "Each row moves one setting from the defaults (outer Nesterov lr 0.7, momentum 0.9, alpha 0.5, "
+             f"inner lr 3e-3, H = {H}); a chosen row is marked.", "",
+             "| cell | method | M | moved from the defaults | final eval loss | gap |", "|---|---|---:|---|---:|---:|"]
+    chosen = {_best(p) for p in ("par_dp_", "par_m2_stream4", "par_m4_stream4", "par_m2_diloco")}
+    for name, (_, overrides) in TUNE.items():
+        kv = dict(x.split("=", 1) for x in overrides)
+        if "_dp_" in name:
+            method, m, moved = "data parallel", 1, f"lr={float(kv['optim.lr']):g}"
+        else:
+            method = "Streaming DiLoCo 4-bit" if "stream4" in name else "DiLoCo fp32"
+            settings = _settings_of(name)
+            if "diloco" in name:
+                settings.pop("alpha")  # DiLoCo's alpha is 0 by definition (the local parameters restart)
+            m, moved = int(kv["mesh.replicas"]), _label(settings)
+        done = quality.finished(name)
+        loss = f"{quality.final(name):.4f}" if done else "running or queued"
+        gap = _fmt(_gap(name, ref)) if done and quality.finished(ref) else ""
+        mark = " (chosen)" if name in chosen else ""
+        lines.append(f"| `{name}`{mark} | {method} | {m} | {moved} | {loss} | {gap} |")
+    return "\n".join(lines)
+
+
+def _done(name):
+    """A known cell (its settings chosen) that has finished."""
+    return name in quality._OVERRIDES and quality.finished(name)
+
+
+def _row_gaps(name_of, ref_of):
+    gaps = [(_gap(name_of(s), ref_of(s)) if _done(name_of(s)) and _done(ref_of(s)) else None) for s in SEEDS]
+    done = [g for g in gaps if g is not None]
+    return gaps, (statistics.mean(done) if len(done) == len(SEEDS) else None)
+
+
+def final_table(steps=LONG):
+    chosen = selection()
+    dp = lambda s: f"par_dp_{steps}_s{s}"  # noqa: E731
+    lines = [f"Seeds 1-3, {steps:,} steps, at the settings chosen on seed 0. Gap: signed, paired with data "
+             "parallel on the same seed and data order (final eval loss on the global parameters). Bytes: per "
+             "replica per step across replicas, from each cell's compiled programs (data parallel: the exact "
+             "hierarchical fp32 all-reduce of the gradient across the same M groups of devices, from HLO).", "",
+             "| M | method | settings | bytes / step / replica | seed 1 | seed 2 | seed 3 | mean | target |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for m in (2, 4):
+        if _done(dp(1)):
+            lines.append(f"| {m} | data parallel | lr={chosen.get('dp', float('nan')):g} | "
+                         f"{common.human(data_parallel_bytes(m))} | | | | | |")
+        rows = [("diloco", "DiLoCo fp32 (P = 1, tau = 0, alpha 0)", chosen.get(("diloco", m)))]
+        rows += [(name, f"Streaming DiLoCo, {f'{bits}-bit' if bits else 'fp32'} exchange (P = {FRAGMENTS}, tau = 1)",
+                  chosen.get(("stream", m))) for name, bits in METHODS]
+        for key, method, s in rows:
+            if s is None:
+                continue
+            name_of = lambda seed, key=key: f"par_m{m}_{key}_{steps}_s{seed}"  # noqa: E731
+            gaps, mean = _row_gaps(name_of, dp)
+            target = TARGETS.get((key, m))
+            byte = common.human(cross_replica_bytes(name_of(1))) if _done(name_of(1)) else ""
+            lines.append(f"| {m} | {method} | {_label(s)} | {byte} | " + " | ".join(_fmt(g) for g in gaps)
+                         + f" | {_fmt(mean)} | {'<= ' + _fmt(target) if target else ''} |")
+        two = lambda seed: f"par_m{m}_stream2_{steps}_s{seed}"  # noqa: E731
+        four = lambda seed: f"par_m{m}_stream4_{steps}_s{seed}"  # noqa: E731
+        if chosen.get(("stream", m)):
+            gaps, mean = _row_gaps(two, four)
+            lines.append(f"| {m} | Streaming 2-bit against 4-bit | | | " + " | ".join(_fmt(g) for g in gaps)
+                         + f" | {_fmt(mean)} | within 0.3 % |")
+    return "\n".join(lines)
+
+
+def local_table(steps=LONG):
+    lines = ["For comparison only (the headline is the global parameters): final eval loss, mean over seeds 1-3, "
+             "of the global parameters, of replica 0's local parameters and of the replicas' average of their "
+             "local parameters, from each run's last checkpoint.", "",
+             "| M | method | global | replica 0's local | average of the local |", "|---:|---|---:|---:|---:|"]
+    for m in (2, 4):
+        for key, method in (("diloco", "DiLoCo fp32"), ("stream4", "Streaming DiLoCo 4-bit")):
+            names = [f"par_m{m}_{key}_{steps}_s{seed}" for seed in SEEDS]
+            if not all(_done(n) for n in names):
+                continue
+            local = [local_evals(n) for n in names]
+            lines.append(f"| {m} | {method} | {statistics.mean(quality.final(n) for n in names):.4f} | "
+                         f"{statistics.mean(x['replica 0'] for x in local):.4f} | "
+                         f"{statistics.mean(x['average'] for x in local):.4f} |")
+    return "\n".join(lines)
+
+
+def trend_rows():
+    """{(method, m): [(steps, mean gap or None)]} for the lengths measured."""
+    out = {}
+    for key, m in (("stream4", 2), ("stream4", 4), ("diloco", 2)):
+        for steps in TREND + (LONG,):
+            _, mean = _row_gaps(lambda s: f"par_m{m}_{key}_{steps}_s{s}", lambda s: f"par_dp_{steps}_s{s}")
+            out.setdefault((key, m), []).append((steps, mean))
+    return out
+
+
+def trend_table():
+    rows = trend_rows()
+    lines = ["Mean signed gap to data parallel over seeds 1-3, each length its own run (the cosine schedule "
+             "follows `steps`).", "", "| method | M | " + " | ".join(f"{n:,} steps" for n in TREND + (LONG,)) + " |",
+             "|---|---:|" + "---:|" * (len(TREND) + 1)]
+    names = {"stream4": "Streaming DiLoCo 4-bit", "diloco": "DiLoCo fp32"}
+    for (key, m), pts in rows.items():
+        lines.append(f"| {names[key]} | {m} | " + " | ".join(_fmt(g) for _, g in pts) + " |")
+    return "\n".join(lines)
+
+
+def plots():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(quality.IMG, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    names = {"stream4": "Streaming DiLoCo 4-bit", "diloco": "DiLoCo fp32"}
+    for (key, m), pts in trend_rows().items():
+        pts = [(n, g) for n, g in pts if g is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{names[key]}, M = {m}")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xlabel("run length (steps)")
+    ax.set_ylabel("eval loss gap to data parallel (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    trend_png = os.path.join(quality.IMG, "parity_trend.png")
+    fig.savefig(trend_png, dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, label in ((f"par_dp_{LONG}_s1", "data parallel"),
+                        (f"par_m2_stream4_{LONG}_s1", "Streaming 4-bit, M = 2"),
+                        (f"par_m4_stream4_{LONG}_s1", "Streaming 4-bit, M = 4"),
+                        (f"par_m2_diloco_{LONG}_s1", "DiLoCo fp32, M = 2")):
+        if _done(name):
+            ax.plot(*zip(*quality.evals(name)), marker="o", ms=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("eval loss on global params (nats/byte)")
+    ax.set_title(f"seed 1, {LONG:,} steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    loss_png = os.path.join(quality.IMG, "parity_loss.png")
+    fig.savefig(loss_png, dpi=100)
+    plt.close(fig)
+    return trend_png, loss_png
+
+
+def report(no_write, extra_args):
+    from loco_jax import diloco
+
+    seeded_cells()  # registers what the finished tune cells now allow
+    trend_png, loss_png = plots()
+    rel = lambda p: os.path.relpath(p, os.path.dirname(common.RESULTS))  # noqa: E731
+    epochs, chars = _epochs(LONG)
+    body = "\n\n".join([
+        "Model, data, batch and schedule: `benchmarks/quality.py`'s (919k parameters; 16 x 64 bytes per step on 8 "
+        f"simulated devices; AdamW, warm-up 20 steps, cosine to 10 %, clip 1.0). A {LONG:,}-step run reads "
+        f"{LONG * 1024:,} bytes, {epochs:.2f} epochs of the {chars:,}-byte training text. The 4-bit exchange is what "
+        f"`diloco.diloco(bits=4)` resolves to today: {diloco.settings(4)}. Each cell's command: "
+        "`python benchmarks/parity.py --list`.",
+        "### Plan", plan(),
+        "### Tuning on seed 0", tune_table(),
+        f"### Seeds 1-3 at {LONG:,} steps", final_table(), local_table(),
+        "### Gap against run length", trend_table(),
+        f"![parity trend]({rel(trend_png)})", f"![parity loss curves]({rel(loss_png)})",
+    ])
+    common.report(HEADING, body, no_write=no_write, extra_args=extra_args)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--plan" in argv:
+        print(plan())
+        return
+    quality.cli(__doc__, ("tune", "final", "trend"), cells(), report, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -131,10 +131,29 @@ class ClipState(NamedTuple):
     """Empty: clipping keeps no state."""
 
 
-def clip_by_global_norm(max_norm: float, axis_name: str = "data") -> optax.GradientTransformation:
+def own_shards(tree, dims, axis_name: str = "data"):
+    """This device's FSDP shard of every leaf of a tree that is whole on each device of ``axis_name``:
+    the ``1/D`` slice on the leaf's dimension in ``dims`` (:func:`shard_dims`), at this device's index."""
+    index, count = lax.axis_index(axis_name), lax.axis_size(axis_name)
+
+    def cut(x, dim):
+        size = x.shape[dim] // count
+        return lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
+
+    return jax.tree.map(cut, tree, dims)
+
+
+def clip_by_global_norm(max_norm: float, axis_name: str = "data", *, slice_dims=None) -> optax.GradientTransformation:
     """``optax.clip_by_global_norm`` for shard-shaped updates: ``g`` if ``|g| < max_norm``, else
     ``g / |g| * max_norm`` (optax's formula), with ``|g|`` the norm of the whole model (:func:`global_norm`),
-    identical on every device of ``axis_name``."""
+    identical on every device of ``axis_name``.
+
+    ``slice_dims`` (:func:`shard_dims`): the updates are whole on every device (the replicated layout);
+    each device squares only its own FSDP shard of them (:func:`own_shards`) before the ``psum``. The norm
+    is then summed in the order a sharded run sums it, so the two layouts clip alike to the last bit (a
+    norm one rounding apart moves every update coherently, and 50 steps of AdamW amplified that to a
+    1e-4 loss gap), and each device squares ``1/D`` of the gradient instead of all of it.
+    """
     if not max_norm > 0:
         raise ValueError(f"max_norm={max_norm!r} must be a positive number.")
 
@@ -144,7 +163,7 @@ def clip_by_global_norm(max_norm: float, axis_name: str = "data") -> optax.Gradi
 
     def update_fn(updates, state, params=None):
         del params
-        norm = global_norm(updates, axis_name)
+        norm = global_norm(updates if slice_dims is None else own_shards(updates, slice_dims, axis_name), axis_name)
         keep = norm < max_norm
         return jax.tree.map(lambda g: jnp.where(keep, g, (g / norm.astype(g.dtype)) * max_norm), updates), state
 

@@ -109,6 +109,24 @@ def test_clipping_takes_the_norm_of_the_whole_model(data_mesh):
         fsdp.clip_by_global_norm(0)
 
 
+def test_replicated_clipping_sums_the_norm_as_fsdp_does(data_mesh):
+    """slice_dims: whole updates on every device clip bit-for-bit like their FSDP shards (same order of sums)."""
+    tree = {"a": gaussian((16, 24), 6), "b": gaussian((8, 16), 7) * 3}
+    dims = {"a": 1, "b": 0}
+    specs = fsdp.partition_specs(dims, "data")
+    run = lambda tx, in_specs, x: jax.jit(jax.shard_map(  # noqa: E731
+        lambda u: tx.update(u, tx.init(u))[0], mesh=data_mesh, in_specs=(in_specs,), out_specs=in_specs))(x)
+    sharded = run(fsdp.clip_by_global_norm(1.0, "data"), specs,
+                  jax.tree.map(lambda x, sp: put(data_mesh, x, sp), tree, specs))
+    whole = jax.tree.map(lambda _: P(), tree)
+    replicated = run(fsdp.clip_by_global_norm(1.0, "data", slice_dims=dims), whole,
+                     jax.tree.map(lambda x: put(data_mesh, x, P()), tree))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, replicated),
+                 jax.tree.map(np.asarray, sharded))
+    want = optax.clip_by_global_norm(1.0).update(tree, optax.EmptyState())[0]
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, replicated), want, rtol=1e-6)
+
+
 def test_accumulated_gradient_is_the_batch_gradient():
     mcfg = model_lib.ModelConfig(vocab_size=256, d_model=32, num_layers=2, num_heads=2, d_ff=96, max_seq_len=16,
                                  compute_dtype="float32")

@@ -57,11 +57,14 @@ def learning_rate_schedule(cfg: config_lib.Config):
     )
 
 
-def make_optimizer(cfg: config_lib.Config, shard_dims=None):
+def make_optimizer(cfg: config_lib.Config, shard_dims=None, norm_dims=None):
     """The step's optax transformation: LoCo (or exact mean) on ``data``, clip, AdamW; DiLoCo outside.
 
     ``shard_dims`` (FSDP, :func:`loco_jax.fsdp.shard_dims`): LoCo reduce-scatters to those shards, clipping
     takes the norm over every shard, and DiLoCo exchanges each device's own shard over ``replica``.
+    ``norm_dims`` (replicated layout): the shards FSDP would cut; clipping squares each device's own one of
+    them and sums over ``data``, so switching FSDP on or off leaves the clipping norm bit-identical
+    (:func:`loco_jax.fsdp.clip_by_global_norm`). None: ``optax.clip_by_global_norm``.
     """
     o, c = cfg.optim, cfg.loco
     sharded = shard_dims is not None
@@ -75,7 +78,10 @@ def make_optimizer(cfg: config_lib.Config, shard_dims=None):
         )
     ]
     if o.grad_clip is not None:
-        parts.append(fsdp.clip_by_global_norm(o.grad_clip, "data") if sharded else optax.clip_by_global_norm(o.grad_clip))
+        if sharded or norm_dims is not None:
+            parts.append(fsdp.clip_by_global_norm(o.grad_clip, "data", slice_dims=norm_dims))
+        else:
+            parts.append(optax.clip_by_global_norm(o.grad_clip))
     parts.append(optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
     inner = optax.chain(*parts)
     d = cfg.diloco

@@ -56,7 +56,7 @@ class Trainer:
         full = model_lib.abstract_params(self.mcfg)
         # FSDP: the dimension each leaf is cut on over the data devices (refused by name before compiling)
         self.shard_dims = fsdp.shard_dims(full, self.d) if cfg.mesh.fsdp else None
-        self.tx = make_optimizer(cfg, self.shard_dims)
+        self.tx = make_optimizer(cfg, self.shard_dims, norm_dims=self._norm_dims(full))
         leading = "replica" if cfg.diloco.enabled else None
         if self.shard_dims is not None:
             self.param_specs = fsdp.partition_specs(self.shard_dims, "data", leading=leading)
@@ -71,6 +71,16 @@ class Trainer:
         self.schedule = learning_rate_schedule(cfg)
         self._dataset = None
         self._programs, self.program_bytes = {}, {}
+
+    def _norm_dims(self, full):
+        """Replicated layout: the shards FSDP would cut, for a clipping norm summed as FSDP sums it (so the
+        two layouts train alike); None where FSDP is on, has no layout for this model, or nothing clips."""
+        if self.cfg.mesh.fsdp or self.cfg.optim.grad_clip is None or self.cfg.mesh.local > 1:
+            return None
+        try:
+            return fsdp.shard_dims(full, self.d)
+        except ValueError:  # a leaf with no dimension divisible by D: optax's norm of the whole tree
+            return None
 
     @property
     def dataset(self):

@@ -398,6 +398,19 @@ def plots():
     import matplotlib.pyplot as plt
 
     os.makedirs(quality.IMG, exist_ok=True)
+
+    def save(fig, ax, xlabel, ylabel, file):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(quality.IMG, file)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
     fig, ax = plt.subplots(figsize=(6.5, 4))
     names = {"stream4": "Streaming DiLoCo 4-bit", "diloco": "DiLoCo fp32"}
     for (key, m), pts in trend_rows().items():
@@ -405,14 +418,7 @@ def plots():
         if pts:
             ax.plot(*zip(*pts), marker="o", label=f"{names[key]}, M = {m}")
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_xlabel("run length (steps)")
-    ax.set_ylabel("eval loss gap to data parallel (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    trend_png = os.path.join(quality.IMG, "parity_trend.png")
-    fig.savefig(trend_png, dpi=100)
-    plt.close(fig)
+    trend_png = save(fig, ax, "run length (steps)", "eval loss gap to data parallel (%)", "parity_trend.png")
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, label in ((f"par_dp_{LONG}_s1", "data parallel"),
@@ -421,15 +427,8 @@ def plots():
                         (f"par_m2_diloco_{LONG}_s1", "DiLoCo fp32, M = 2")):
         if _done(name):
             ax.plot(*zip(*quality.evals(name)), marker="o", ms=3, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("eval loss on global params (nats/byte)")
     ax.set_title(f"seed 1, {LONG:,} steps")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    loss_png = os.path.join(quality.IMG, "parity_loss.png")
-    fig.savefig(loss_png, dpi=100)
-    plt.close(fig)
+    loss_png = save(fig, ax, "step", "eval loss on global params (nats/byte)", "parity_loss.png")
     return trend_png, loss_png
 
 

@@ -173,17 +173,16 @@ def cells():
 
 def plan():
     """The whole matrix (tune, then final and trend once chosen), its cell count and the expected hours."""
-    n_seeded = {"final": 0, "trend": 0}
-    seconds = {"tune": 0.0, "final": 0.0, "trend": 0.0}
-    for name, (group, overrides) in TUNE.items():
-        seconds["tune"] += LONG * SECONDS_PER_STEP["dp" if "_dp_" in name else "diloco"]
     # the seeded groups' size does not depend on which settings are chosen
     per_seed_final = 1 + 2 * len(METHODS) + 2  # data parallel; M = 2, 4: Streaming x 3 exchanges, vanilla
     per_seed_trend = (1 + 2 + 1) * len(TREND)  # data parallel, Streaming 4-bit at M = 2 and 4, vanilla M = 2
-    n_seeded["final"], n_seeded["trend"] = per_seed_final * len(SEEDS), per_seed_trend * len(SEEDS)
-    seconds["final"] = len(SEEDS) * LONG * (SECONDS_PER_STEP["dp"] + (per_seed_final - 1) * SECONDS_PER_STEP["diloco"])
-    seconds["trend"] = len(SEEDS) * sum(n * (SECONDS_PER_STEP["dp"] + 3 * SECONDS_PER_STEP["diloco"]) for n in TREND)
-    counts = {"tune": len(TUNE), **n_seeded}
+    counts = {"tune": len(TUNE), "final": per_seed_final * len(SEEDS), "trend": per_seed_trend * len(SEEDS)}
+    dp, dl = SECONDS_PER_STEP["dp"], SECONDS_PER_STEP["diloco"]
+    seconds = {
+        "tune": sum(LONG * (dp if "_dp_" in name else dl) for name in TUNE),
+        "final": len(SEEDS) * LONG * (dp + (per_seed_final - 1) * dl),
+        "trend": len(SEEDS) * sum(n * (dp + 3 * dl) for n in TREND),
+    }
     rows = [f"| {g} | {counts[g]} | {seconds[g] / 3600:.1f} h |" for g in ("tune", "final", "trend")]
     total = sum(seconds.values()) / 3600
     return "\n".join([

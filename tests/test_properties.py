@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from loco_jax import collectives, quant
 from tests.helpers import put
 
+
 def jitted(fn, *static, **static_kw):
     """``fn`` under one ``jax.jit`` per setting: ``jitted(f, 4, format="e3m0")(x)`` is ``f(x, 4, format="e3m0")``.
 

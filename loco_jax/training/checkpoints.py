@@ -8,6 +8,7 @@ device). ``meta`` holds the step, the data position, the bytes sent and the mesh
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ def join_by_kind(parts, like):
 
 
 
+@functools.cache  # once per process: the backend does not change
 def _save_replicated_arrays_whole_on_cpu():
     """On CPU, one replica writes each replicated array whole (orbax's ``use_replica_parallel=False``).
 
@@ -61,7 +63,7 @@ def _save_replicated_arrays_whole_on_cpu():
     """
     import orbax.checkpoint as ocp
 
-    if jax.default_backend() == "cpu" and not getattr(_save_replicated_arrays_whole_on_cpu, "done", False):
+    if jax.default_backend() == "cpu":
         handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
         absl_log = logging.getLogger("absl")
         level = absl_log.level
@@ -70,7 +72,6 @@ def _save_replicated_arrays_whole_on_cpu():
             ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
         finally:
             absl_log.setLevel(level)
-        _save_replicated_arrays_whole_on_cpu.done = True
 
 
 def checkpoint_manager(workdir, keep):

@@ -49,9 +49,9 @@ SECONDS_PER_STEP = {"dp": 0.19, "diloco": 0.25}
 DEFAULT = dict(outer_lr=0.7, momentum=0.9, alpha=0.5, lr=3e-3, h=H)
 DP_LRS = (2e-3, 3e-3, 5e-3)
 STREAM_MOVES = {2: [dict(outer_lr=0.4), dict(outer_lr=1.0), dict(alpha=0.0), dict(alpha=1.0), dict(lr=2e-3),
-                    dict(lr=5e-3), dict(h=60)],
-                4: [dict(outer_lr=0.4), dict(outer_lr=1.0), dict(lr=5e-3)]}
-DILOCO_MOVES = [dict(outer_lr=0.4), dict(outer_lr=1.0)]
+                    dict(lr=5e-3), dict(h=60), dict(momentum=0.8)],
+                4: [dict(outer_lr=0.4), dict(outer_lr=1.0), dict(lr=5e-3), dict(momentum=0.8)]}
+DILOCO_MOVES = [dict(outer_lr=0.4), dict(outer_lr=1.0), dict(momentum=0.8)]
 
 
 def _run(seed, steps):
@@ -204,7 +204,7 @@ def cross_replica_bytes(name):
     from loco_jax.training.trainer import Trainer
 
     workdir = os.path.join(common.ROOT, quality.cell_dir(name))
-    with open(os.path.join(workdir, "programs.json")) as f:
+    with open(quality.cell_file(name, "programs.json")) as f:
         programs = json.load(f)
     t = Trainer(_config(name), workdir, log=lambda *a: None)
     steps = t.cfg.steps
@@ -248,6 +248,7 @@ def local_evals(name):
         losses = [float(t.eval_program()(params, *t.put_batch(batch)))
                   for batch in t.dataset.eval_batches(cfg.batch_size, cfg.eval_batches)]
         out[label] = float(np.mean(losses))
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
     with open(cached, "w") as f:
         json.dump(out, f)
     return out
@@ -363,6 +364,8 @@ def local_table(steps=LONG):
             if not all(_done(n) for n in names):
                 continue
             local = [local_evals(n) for n in names]
+            if None in local:  # a record archived without them, its checkpoints gone
+                continue
             lines.append(f"| {m} | {method} | {statistics.mean(quality.final(n) for n in names):.4f} | "
                          f"{statistics.mean(x['replica 0'] for x in local):.4f} | "
                          f"{statistics.mean(x['average'] for x in local):.4f} |")
@@ -458,7 +461,13 @@ def main(argv=None):
     if "--plan" in argv:
         print(plan())
         return
-    quality.cli(__doc__, ("tune", "final", "trend"), cells(), report, argv)
+    quality.cli(__doc__, ("tune", "final", "trend"), cells(), report, argv, on_finish=_keep_local_evals)
+
+
+def _keep_local_evals(name):
+    """Right after a final DiLoCo cell finishes, while its checkpoint is there: its local-parameter evals."""
+    if f"_{LONG}_s" in name and "_dp_" not in name:
+        local_evals(name)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@
 
 Each cell is one ``train.py`` run (a subprocess, so a killed cell resumes from
 its checkpoint) of the same small byte-level model, 480 steps of 16 x 64
-tokens on 8 simulated CPU devices; the runs live in ``runs/quality/CELL``.
+tokens on 8 simulated CPU devices; the runs live in ``runs/quality/CELL`` (ignored by
+git), and a finished cell's record (its eval rows, config and compiled
+programs' byte counts, no checkpoints) is kept in ``benchmarks/results/CELL``
+(tracked), so reports and the cells a selection depends on outlive the run
+directory.
 Every cell sees the same data order and evaluates on the same held-out
 windows, so differences between cells are paired, and the three seeds (model
 initialisation and data order) of the full-precision and 4-bit cells give the
@@ -35,6 +39,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +50,8 @@ from benchmarks import common  # noqa: E402
 
 HEADING = "## Training quality (benchmarks/quality.py)"
 RUNS = os.path.join(common.ROOT, "runs", "quality")
+ARCHIVE = os.path.join(common.ROOT, "benchmarks", "results")  # finished cells' records, tracked by git
+ARCHIVED_FILES = ("config.json", "programs.json")
 IMG = os.path.join(common.ROOT, "docs", "img")
 STEPS, H = 480, 24
 
@@ -158,10 +165,42 @@ def finished(name) -> bool:
     return any(r.get("step") == steps_of(name) and "eval_loss" in r for r in rows)
 
 
+def archive_dir(name) -> str:
+    """``benchmarks/results/NAME-KEY``: the tracked record of a finished cell."""
+    return os.path.join(ARCHIVE, os.path.basename(cell_dir(name)))
+
+
+def cell_file(name, filename) -> str:
+    """A cell's file: from its run directory while that exists, else from its archived record."""
+    path = os.path.join(common.ROOT, cell_dir(name), filename)
+    return path if os.path.exists(path) else os.path.join(archive_dir(name), filename)
+
+
 def _metrics(name):
     from loco_jax.trainer import read_metrics  # rows cut short by a kill are skipped
 
-    return read_metrics(os.path.join(common.ROOT, cell_dir(name)))
+    rows = read_metrics(os.path.join(common.ROOT, cell_dir(name)))
+    return rows or read_metrics(archive_dir(name))
+
+
+def archive(name) -> bool:
+    """Copies a finished cell's record to :func:`archive_dir`: the metrics rows that carry an eval or fall
+    on a multiple of 100 steps (plus the last), its config.json and programs.json. False if not finished."""
+    from loco_jax.trainer import read_metrics
+
+    workdir = os.path.join(common.ROOT, cell_dir(name))
+    rows = read_metrics(workdir)
+    if not any(r.get("step") == steps_of(name) and "eval_loss" in r for r in rows):
+        return False
+    out = archive_dir(name)
+    os.makedirs(out, exist_ok=True)
+    kept = [r for i, r in enumerate(rows) if "eval_loss" in r or r["step"] % 100 == 0 or i == len(rows) - 1]
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    for filename in ARCHIVED_FILES:
+        if os.path.exists(os.path.join(workdir, filename)):
+            shutil.copyfile(os.path.join(workdir, filename), os.path.join(out, filename))
+    return True
 
 
 def run_cell(name, overrides, index, total):
@@ -177,6 +216,7 @@ def run_cell(name, overrides, index, total):
         proc = subprocess.run([sys.executable] + argv_of(name, overrides), cwd=common.ROOT, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise SystemExit(f"cell {name} failed (exit {proc.returncode}); see {log_path}")
+    archive(name)
     print(f"[{index}/{total}] {name}: eval loss {final(name):.4f} in {time.perf_counter() - start:.0f} s", flush=True)
 
 
@@ -340,15 +380,21 @@ def report(no_write, extra_args):
     common.report(HEADING, body, no_write=no_write, extra_args=extra_args)
 
 
-def cli(doc, groups, table, report_fn, argv=None):
-    """The command line shared by the cell benchmarks: --group/--cell to run, --list, --report, --no-write."""
+def cli(doc, groups, table, report_fn, argv=None, on_finish=None):
+    """The command line shared by the cell benchmarks: --group/--cell to run, --list, --report, --no-write,
+    --archive; ``on_finish(name)`` runs after each cell this call runs or finds finished."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group", choices=groups, action="append")
     ap.add_argument("--cell", action="append")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--report", action="store_true", help="only write the tables and plots")
     ap.add_argument("--no-write", action="store_true", help="print the tables; leave docs/ alone")
+    ap.add_argument("--archive", action="store_true", help="only copy the finished cells' records to benchmarks/results/")
     args = ap.parse_args(argv)
+    if args.archive:
+        done = [name for name in table if archive(name)]
+        print(f"archived {len(done)} finished cell(s) to {os.path.relpath(ARCHIVE, common.ROOT)}: {', '.join(done)}")
+        return
     if args.list:
         for name, (group, overrides) in table.items():
             print(f"{name} [{group}]{' (done)' if finished(name) else ''}: python {' '.join(argv_of(name, overrides))}")
@@ -361,6 +407,8 @@ def cli(doc, groups, table, report_fn, argv=None):
                   if (not args.group and not args.cell) or (args.group and g in args.group) or (args.cell and n in args.cell)]
         for i, name in enumerate(chosen, 1):
             run_cell(name, table[name][1], i, len(chosen))
+            if on_finish:
+                on_finish(name)
     report_fn(args.no_write, [a for a in sys.argv[1:] if a != "--no-write"])
 
 

@@ -55,16 +55,21 @@ def scaling_law_gap(m, n_params):
     return 100 * (a_m / a_dp * n_params ** (e_m - e_dp) - 1)
 
 
-def _n_params():
-    import jax
-    import numpy as np
-
+def _abstract_params():
+    """The benchmark model's parameter shapes (nothing allocated)."""
     from loco_jax.training import config as config_lib
     from loco_jax.training import model as model_lib
     from loco_jax.training.steps import model_config
 
     cfg = config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE)
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model_lib.abstract_params(model_config(cfg))))
+    return model_lib.abstract_params(model_config(cfg))
+
+
+def _n_params():
+    import jax
+    import numpy as np
+
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(_abstract_params()))
 
 
 def scaling_law_note(n_params):
@@ -127,6 +132,14 @@ def _suffix(s):
     return "".join(f"_{k}{v:g}" for k, v in s.items() if v != DEFAULT[k])
 
 
+# Each DiLoCo family of the tune group: its name prefix, the moves it tries, and its cell at settings s.
+FAMILIES = {
+    "par_m2_stream4": (STREAM_MOVES[2], lambda s: _stream(0, LONG, 2, 4, s)),
+    "par_m4_stream4": (STREAM_MOVES[4], lambda s: _stream(0, LONG, 4, 4, s)),
+    "par_m2_diloco": (DILOCO_MOVES, lambda s: _vanilla(0, LONG, 2, s)),
+}
+
+
 def tune_cells():
     """Seed 0 at 3,000 steps; the defaults of every family first (they run first), then the moves."""
     out = {}
@@ -134,19 +147,14 @@ def tune_cells():
         for lr in DP_LRS:
             if (lr == DEFAULT["lr"]) == (moves is not None):
                 out[f"par_dp_lr{lr:g}_s0"] = ("tune", _dp(0, LONG, lr))
-        for m, stream_moves in STREAM_MOVES.items():
-            for move in moves or stream_moves:
+        for prefix, (family_moves, cell) in FAMILIES.items():
+            for move in moves or family_moves:
                 s = dict(DEFAULT, **move)
-                out[f"par_m{m}_stream4{_suffix(s)}_s0"] = ("tune", _stream(0, LONG, m, 4, s))
-        for move in moves or DILOCO_MOVES:
-            s = dict(DEFAULT, **move)
-            out[f"par_m2_diloco{_suffix(s)}_s0"] = ("tune", _vanilla(0, LONG, 2, s))
+                out[f"{prefix}{_suffix(s)}_s0"] = ("tune", cell(s))
     return out
 
 
 TUNE = quality.register(tune_cells())
-FAMILIES = {"par_m2_stream4": (2, STREAM_MOVES[2], _stream), "par_m4_stream4": (4, STREAM_MOVES[4], _stream),
-            "par_m2_diloco": (2, DILOCO_MOVES, _vanilla)}
 
 
 def combined_cells():
@@ -155,20 +163,20 @@ def combined_cells():
     settings did; one alone is already measured). Decided by measurements, so run ``--group tune`` again
     after the first round."""
     out = {}
-    for prefix, (m, moves, make) in FAMILIES.items():
+    for prefix, (moves, cell) in FAMILIES.items():
         names = {f"{prefix}{_suffix(dict(DEFAULT, **move))}_s0": move for move in moves}
         default = f"{prefix}_s0"
         if not all(quality.finished(n) for n in list(names) + [default]):
             continue
+        loss = {n: quality.final(n) for n in list(names) + [default]}
         best = {}  # setting -> (loss, move) of its best move that beat the defaults
         for name, move in names.items():
             (key, _), = move.items()
-            if quality.final(name) < quality.final(default) and quality.final(name) < best.get(key, (1e9,))[0]:
-                best[key] = (quality.final(name), move)
+            if loss[name] < min(loss[default], best.get(key, (float("inf"),))[0]):
+                best[key] = (loss[name], move)
         if len(best) >= 2:
             s = dict(DEFAULT, **{k: v for _, move in best.values() for k, v in move.items()})
-            args = (0, LONG, m, 4, s) if make is _stream else (0, LONG, m, s)
-            out[f"{prefix}{_suffix(s)}_s0"] = ("tune", make(*args))
+            out[f"{prefix}{_suffix(s)}_s0"] = ("tune", cell(s))
     return out
 
 
@@ -330,14 +338,9 @@ def data_parallel_bytes(m):
     import jax
 
     from benchmarks import bandwidth
-    from loco_jax.training import config as config_lib
-    from loco_jax.training import model as model_lib
-    from loco_jax.training.steps import model_config
 
-    cfg = config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE)
-    shapes = model_lib.abstract_params(model_config(cfg))
     mesh = jax.make_mesh((m, 8 // m), ("replica", "data"))
-    compiled = bandwidth.data_parallel(shapes, mesh, jax.numpy.float32)
+    compiled = bandwidth.data_parallel(_abstract_params(), mesh, jax.numpy.float32)
     return bandwidth.replica_bytes(compiled, m, 8 // m)[0]
 
 

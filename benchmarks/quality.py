@@ -160,9 +160,13 @@ def steps_of(name) -> int:
     return int([kv for kv in BASE + _OVERRIDES[name] if kv.startswith("steps=")][-1].split("=", 1)[1])
 
 
-def finished(name) -> bool:
-    rows = _metrics(name)
+def _finishes(rows, name) -> bool:
+    """Whether metrics ``rows`` hold the cell's final eval (its last step)."""
     return any(r.get("step") == steps_of(name) and "eval_loss" in r for r in rows)
+
+
+def finished(name) -> bool:
+    return _finishes(_metrics(name), name)
 
 
 def archive_dir(name) -> str:
@@ -180,7 +184,9 @@ def _metrics(name):
     from loco_jax.trainer import read_metrics  # rows cut short by a kill are skipped
 
     rows = read_metrics(os.path.join(common.ROOT, cell_dir(name)))
-    return rows or read_metrics(archive_dir(name))
+    if _finishes(rows, name):
+        return rows
+    return read_metrics(archive_dir(name)) or rows  # a record outlives an unfinished rerun's directory
 
 
 def archive(name) -> bool:
@@ -190,7 +196,7 @@ def archive(name) -> bool:
 
     workdir = os.path.join(common.ROOT, cell_dir(name))
     rows = read_metrics(workdir)
-    if not any(r.get("step") == steps_of(name) and "eval_loss" in r for r in rows):
+    if not _finishes(rows, name):
         return False
     out = archive_dir(name)
     os.makedirs(out, exist_ok=True)

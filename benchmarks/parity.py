@@ -93,7 +93,9 @@ DP_LRS = (1.5e-3, 2e-3, 3e-3, 5e-3)  # 1.5e-3 added when 2e-3 measured best: the
 STREAM_MOVES = {2: [dict(outer_lr=0.4), dict(outer_lr=1.0), dict(alpha=0.0), dict(alpha=1.0), dict(lr=2e-3),
                     dict(lr=5e-3), dict(h=60), dict(momentum=0.8)],
                 4: [dict(outer_lr=0.4), dict(outer_lr=1.0), dict(lr=2e-3), dict(lr=5e-3), dict(lr=7e-3),
-                    dict(momentum=0.8)]}  # 7e-3: 5e-3 measured best, on the grid's edge
+                    dict(momentum=0.8), dict(alpha=0.0), dict(h=60)]}
+# M = 4: 7e-3 added when 5e-3 measured best, on the grid's edge; alpha 0 and H = 60 added when M = 2's combined
+# cell (momentum 0.8, alpha 0, lr 5e-3, H = 60) beat each of its moves alone by far, so M = 4 tries them too
 DILOCO_MOVES = [dict(outer_lr=0.4), dict(outer_lr=1.0), dict(lr=2e-3), dict(momentum=0.8)]
 
 

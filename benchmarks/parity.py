@@ -20,7 +20,7 @@ the same tokens. Headline cells: H = 30, 3 fragments, overlap 1, alpha 0.5 and t
 exchange that ``diloco.diloco(bits=4)`` resolves to. The metric is the final eval loss on the global
 parameters. Settings are chosen on seed 0 (``tune``: each knob moved one at a time from the papers'
 defaults, then one cell combining the moves that beat the defaults; the selection is the best measured
-cell, never an untried combination) and reported on
+cell with at least 100 outer rounds per fragment, never an untried combination) and reported on
 seeds 1-3 (``final``, ``trend``) as signed paired gaps to data parallel with the same seed. A
 ``final`` or ``trend`` cell exists only once the ``tune`` cells it is chosen from have finished.
 """
@@ -37,6 +37,9 @@ from benchmarks import common, quality  # noqa: E402
 
 HEADING = "## Streaming DiLoCo at parity with data parallel (benchmarks/parity.py)"
 LONG, TREND = 3000, (510, 1500)
+# Long enough (issue 14): at least 100 outer rounds per fragment. Each fragment syncs once every H steps,
+# so at LONG steps a setting with H > 30 is measured (it is a tuned knob) but cannot be selected.
+MIN_ROUNDS = 100
 H, FRAGMENTS = 30, 3
 SEEDS = (1, 2, 3)
 TARGETS = {  # issue 14: mean signed gap to data parallel over seeds 1-3, percent
@@ -159,11 +162,22 @@ def tune_cells():
 TUNE = quality.register(tune_cells())
 
 
+def _rounds(overrides, steps=LONG):
+    """Outer rounds per fragment of a cell (infinite for data parallel, which has none to count)."""
+    h = dict(x.split("=", 1) for x in overrides).get("diloco.sync_every")
+    return steps // int(h) if h else float("inf")
+
+
+def _selectable(name):
+    return _rounds(TUNE[name][1]) >= MIN_ROUNDS
+
+
 def combined_cells():
-    """The second tune round: once a family's one-at-a-time cells have all finished, one cell that combines,
+    """The second tune round: once a family's one-at-a-time cells have all finished, a cell that combines,
     for every setting whose best move beat the family's defaults, that best move (only where two or more
-    settings did; one alone is already measured). Decided by measurements, so run ``--group tune`` again
-    after the first round."""
+    settings did; one alone is already measured). A move that leaves fewer than ``MIN_ROUNDS`` outer
+    rounds (a larger H) is left out of that cell and combined in a second one, measured for comparison but
+    not selectable. Decided by measurements, so run ``--group tune`` again after the first round."""
     out = {}
     for prefix, (moves, cell) in FAMILIES.items():
         names = {f"{prefix}{_suffix(dict(DEFAULT, **move))}_s0": move for move in moves}
@@ -176,9 +190,12 @@ def combined_cells():
             (key, _), = move.items()
             if loss[name] < min(loss[default], best.get(key, (float("inf"),))[0]):
                 best[key] = (loss[name], move)
-        if len(best) >= 2:
-            s = dict(DEFAULT, **{k: v for _, move in best.values() for k, v in move.items()})
-            out[f"{prefix}{_suffix(s)}_s0"] = ("tune", cell(s))
+        moves = [move for _, move in best.values()]
+        selectable = [move for move in moves if _rounds(cell(dict(DEFAULT, **move))) >= MIN_ROUNDS]
+        for combined in {len(selectable): selectable, len(moves): moves}.values():  # one cell if they agree
+            if len(combined) >= 2:
+                s = dict(DEFAULT, **{k: v for move in combined for k, v in move.items()})
+                out[f"{prefix}{_suffix(s)}_s0"] = ("tune", cell(s))
     return out
 
 
@@ -186,12 +203,13 @@ TUNE.update(quality.register(combined_cells()))
 
 
 def _best(prefix):
-    """The finished tune cell with the lowest final eval loss among those named ``prefix...``, or None if
-    any of them has not finished (a selection from part of the grid is not made)."""
+    """The selectable finished tune cell (at least ``MIN_ROUNDS`` outer rounds per fragment) with the lowest
+    final eval loss among those named ``prefix...``, or None if any of them has not finished (a selection
+    from part of the grid is not made)."""
     names = [n for n in TUNE if n.startswith(prefix)]
     if not all(quality.finished(n) for n in names):
         return None
-    return min(names, key=quality.final)
+    return min(filter(_selectable, names), key=quality.final)
 
 
 def _settings_of(name):
@@ -375,6 +393,8 @@ def tune_table():
             if "diloco" in name:
                 settings.pop("alpha")  # DiLoCo's alpha is 0 by definition (the local parameters restart)
             m, moved = int(kv["mesh.replicas"]), _label(settings)
+            if not _selectable(name):
+                moved += f" ({_rounds(overrides)} rounds per fragment: not selectable)"
         done = quality.finished(name)
         loss = f"{quality.final(name):.4f}" if done else "running or queued"
         gap = _fmt(_gap(name, ref)) if done and quality.finished(ref) else ""

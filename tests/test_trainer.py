@@ -93,6 +93,20 @@ def test_tiny_run_learns_and_fills_the_workdir(straight_run):
     assert block[0].startswith("samples (step 12") and len(block) == 4 and all(" -> " in line for line in block[1:])
 
 
+def test_a_second_run_in_a_live_workdir_is_refused_and_changes_nothing(text_file, straight_run):
+    # A run requeued while the first still lives would rewrite metrics.jsonl under it (the first's later
+    # rows went to the unlinked file, seen in benchmarks/parity.py) and save over its checkpoints.
+    workdir = straight_run[0]
+    files = ("config.json", "metrics.jsonl", "programs.json")
+    before = {name: open(os.path.join(workdir, name), "rb").read() for name in files}
+    with loop.workdir_lock(workdir):  # what the first run holds while it lives (released when it ended)
+        with pytest.raises(RuntimeError, match=rf"workdir '{re.escape(workdir)}' is in use by another run "
+                                               rf"\(pid {os.getpid()} on .+\).*another --workdir"):
+            trainer.train_and_evaluate(small_config(text_file), workdir, log=quiet)
+    assert {name: open(os.path.join(workdir, name), "rb").read() for name in files} == before
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12", "6"]
+
+
 def test_resume_is_bit_identical_and_logs_no_step_twice(text_file, straight_run, tmp_path):
     workdir = str(tmp_path)
     first = trainer.train_and_evaluate(small_config(text_file), workdir, log=quiet, stop_after=7)

@@ -16,10 +16,13 @@ Workdir contents: ``config.json`` (the resolved config), ``metrics.jsonl``, ``ch
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import signal
+import socket
 import time
 
 import jax
@@ -59,6 +62,40 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=emit, stop_afte
     """
     config_lib.validate(cfg)
     os.makedirs(workdir, exist_ok=True)
+    with workdir_lock(workdir):
+        return _train_and_evaluate(cfg, workdir, log, stop_after)
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir):
+    """Holds ``workdir/.lock-p<process index>`` (an exclusive ``flock``) while a run lives in ``workdir``.
+
+    A second run started in the same workdir (a requeued job while the first still runs) would resume from
+    the first's checkpoint, rewrite ``metrics.jsonl`` under it (the first's later rows would go to the
+    unlinked file and be lost) and save checkpoints over its: it is refused by name instead. The kernel
+    drops the lock when the process ends, kill -9 included, so no stale lock outlives a run. One lock per
+    process index, as the processes of one multi-process run may share a workdir."""
+    path = os.path.join(workdir, f".lock-p{jax.process_index()}")
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise RuntimeError(
+                f"workdir {workdir!r} is in use by another run ({holder}); two runs in one workdir would "
+                "overwrite each other's checkpoints and metrics. Wait for that run to end, stop it, or pass "
+                "another --workdir.") from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _train_and_evaluate(cfg, workdir, log, stop_after):
     saved = saved_config(workdir)
     cfg = config_lib.resolve(cfg, saved)  # None settings: the run's own, else the library's
     check_resume_config(workdir, cfg, saved, log)

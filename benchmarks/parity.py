@@ -192,7 +192,8 @@ def combined_cells():
                 best[key] = (loss[name], move)
         moves = [move for _, move in best.values()]
         selectable = [move for move in moves if _rounds(cell(dict(DEFAULT, **move))) >= MIN_ROUNDS]
-        for combined in {len(selectable): selectable, len(moves): moves}.values():  # one cell if they agree
+        # the selectable combination, and the whole one too where a move was left out of it
+        for combined in [selectable] + ([moves] if len(moves) > len(selectable) else []):
             if len(combined) >= 2:
                 s = dict(DEFAULT, **{k: v for move in combined for k, v in move.items()})
                 out[f"{prefix}{_suffix(s)}_s0"] = ("tune", cell(s))

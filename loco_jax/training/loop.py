@@ -75,24 +75,35 @@ def workdir_lock(workdir):
     unlinked file and be lost) and save checkpoints over its: it is refused by name instead. The kernel
     drops the lock when the process ends, kill -9 included, so no stale lock outlives a run. One lock per
     process index, as the processes of one multi-process run may share a workdir."""
-    path = os.path.join(workdir, f".lock-p{jax.process_index()}")
-    with open(path, "a+") as f:
+    name = f".lock-p{jax.process_index()}"
+    path = os.path.join(workdir, name)
+    while True:
+        f = open(path, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "unknown"
+            f.close()
             raise RuntimeError(
                 f"workdir {workdir!r} is in use by another run ({holder}); two runs in one workdir would "
                 "overwrite each other's checkpoints and metrics. Wait for that run to end, stop it, or pass "
                 "another --workdir.") from None
+        # the holder may have removed the file between our open and our flock (see below): lock the live one
+        if os.path.exists(path) and os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+            break
+        f.close()
+    try:
         f.truncate(0)
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield
+    finally:
+        # a run refused before it wrote anything (a bad setting) leaves the workdir as it found it
+        if os.listdir(workdir) == [name]:
+            os.unlink(path)
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
 
 
 def _train_and_evaluate(cfg, workdir, log, stop_after):

@@ -318,12 +318,15 @@ def _config(name):
 
 def local_evals(name):
     """Final eval loss of replica 0's local parameters and of the replicas' average of them, beside the
-    global parameters' (for comparison only), from the cell's last checkpoint; kept in local_eval.json."""
+    global parameters' (for comparison only), from the cell's last checkpoint; kept in local_eval.json beside
+    the run and in its archived record. None when neither has it and the checkpoint is gone."""
     workdir = os.path.join(common.ROOT, quality.cell_dir(name))
-    cached = os.path.join(workdir, "local_eval.json")
+    cached = quality.cell_file(name, "local_eval.json")
     if os.path.exists(cached):
         with open(cached) as f:
             return json.load(f)
+    if not os.path.isdir(os.path.join(workdir, "checkpoints", str(_config(name).steps))):
+        return None
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
@@ -347,9 +350,10 @@ def local_evals(name):
         losses = [float(t.eval_program()(params, *t.put_batch(batch)))
                   for batch in t.dataset.eval_batches(cfg.batch_size, cfg.eval_batches)]
         out[label] = float(np.mean(losses))
-    os.makedirs(os.path.dirname(cached), exist_ok=True)
-    with open(cached, "w") as f:
-        json.dump(out, f)
+    for path in (os.path.join(workdir, "local_eval.json"), os.path.join(quality.archive_dir(name), "local_eval.json")):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(out, f)
     return out
 
 

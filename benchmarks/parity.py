@@ -318,14 +318,15 @@ def _config(name):
 
 def local_evals(name):
     """Final eval loss of replica 0's local parameters and of the replicas' average of them, beside the
-    global parameters' (for comparison only), from the cell's last checkpoint; kept in local_eval.json beside
-    the run and in its archived record. None when neither has it and the checkpoint is gone."""
-    workdir = os.path.join(common.ROOT, quality.cell_dir(name))
-    cached = quality.cell_file(name, "local_eval.json")
+    global parameters' (for comparison only), from the cell's last checkpoint; kept in the cell's archived
+    record as local_eval.json. None when the record lacks it and the checkpoint is gone."""
+    cached = os.path.join(quality.archive_dir(name), "local_eval.json")
     if os.path.exists(cached):
         with open(cached) as f:
             return json.load(f)
-    if not os.path.isdir(os.path.join(workdir, "checkpoints", str(_config(name).steps))):
+    workdir = os.path.join(common.ROOT, quality.cell_dir(name))
+    cfg = _config(name)
+    if not os.path.isdir(os.path.join(workdir, "checkpoints", str(cfg.steps))):
         return None
     import jax
     import numpy as np
@@ -335,7 +336,6 @@ def local_evals(name):
     from loco_jax.training import checkpoints
     from loco_jax.training.trainer import Trainer
 
-    cfg = _config(name)
     t = Trainer(cfg, workdir, log=lambda *a: None)
     t.init_state()  # the specs the restore needs
     manager = checkpoints.checkpoint_manager(workdir, cfg.keep_checkpoints)
@@ -350,10 +350,9 @@ def local_evals(name):
         losses = [float(t.eval_program()(params, *t.put_batch(batch)))
                   for batch in t.dataset.eval_batches(cfg.batch_size, cfg.eval_batches)]
         out[label] = float(np.mean(losses))
-    for path in (os.path.join(workdir, "local_eval.json"), os.path.join(quality.archive_dir(name), "local_eval.json")):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(out, f)
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    with open(cached, "w") as f:
+        json.dump(out, f)
     return out
 
 

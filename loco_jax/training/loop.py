@@ -90,7 +90,11 @@ def workdir_lock(workdir):
                 "overwrite each other's checkpoints and metrics. Wait for that run to end, stop it, or pass "
                 "another --workdir.") from None
         # the holder may have removed the file between our open and our flock (see below): lock the live one
-        if os.path.exists(path) and os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+        try:
+            live = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            live = False
+        if live:
             break
         f.close()
     try:

@@ -124,3 +124,20 @@ def _main(config_path, workdir, coordinator, num_processes, process_id):
 
 if __name__ == "__main__":
     _main(*sys.argv[1:])
+
+
+def test_a_resumed_row_averages_the_carried_steps_but_times_only_the_new_ones(monkeypatch):
+    """The first log row after a resume: its loss is the mean over the carried and the new steps (as the
+    uninterrupted run logs it); its tokens/s counts only the steps run since the resume."""
+    clock = iter([100.0, 102.0])  # the window opens at 100 s; the row is logged at 102 s
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
+    window = loop._Window(tokens_per_step=64)
+    window.carry_unlogged([[7, 3.0, 0.5], [8, 5.0, 0.5]])  # read before the checkpoint, not yet logged
+    window.add(9, {"loss": jax.numpy.float32(1.0), "grad_rms": jax.numpy.float32(0.5),
+                   "skipped": jax.numpy.int32(0)})
+    window.read()
+    window.new_skips(0)
+    row = window.log_row(9, type("T", (), {"schedule": staticmethod(lambda s: 0.1)})(), 0)
+    assert row["loss"] == 3.0 and row["grad_rms"] == 0.5
+    assert row["tokens_per_s"] == 64 * 1 / 2.0  # one new step in 2 s, not three
+    assert window.carried == 0 and window.host == []

@@ -140,6 +140,9 @@ def test_default_prompts_are_line_starts_of_the_eval_text(text_file):  # noqa: F
     tokens = data_lib.TokenData(np.arange(100, dtype=np.uint16), np.arange(50, dtype=np.uint16), 100)
     ids = sample.default_prompts(tokens, 2)  # a token-file run: id prompts from the eval stream
     assert [len(p) for p in ids] == [sample.PROMPT_TOKENS] * 2 and all(p[0] < 50 for p in ids)
+    # Shards: a tokenizer but no text at hand, so id prompts too (shown decoded by format_samples).
+    shard_like = data_lib.TokenData(tokens.train_tokens, tokens.eval_tokens, 256, data_lib.ByteTokenizer())
+    assert sample.default_prompts(shard_like, 2) == ids
     assert sample.default_prompts(None, 2) == ["\n", "\n"]
 
 

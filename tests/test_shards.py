@@ -96,6 +96,8 @@ def test_byte_round_trip_matches_direct_tokenization_and_load_data(corpus, tmp_p
     assert s14.shards is not None and s14.vocab_size == 256 and m14["eval"] == {"shards": ["eval-00000.u16.bin"]}
     np.testing.assert_array_equal(np.asarray(s14.train_tokens), td.train_tokens)
     np.testing.assert_array_equal(np.asarray(s14.eval_tokens), td.eval_tokens)
+    # Shards know their tokenizer, so samples of a shard run read as text (not token ids).
+    assert s14.tokenizer.name == "byte" and s14.tokenizer.decode(np.asarray(s14.eval_tokens)) == td.corpus.eval_text
 
 
 def test_sentencepiece_round_trip_with_pieces(corpus, tmp_path):
@@ -310,6 +312,15 @@ def test_dataset_trains_on_shards_and_checks_the_tokenizer(corpus, tmp_path):
     np.testing.assert_array_equal(x, direct[0])
     assert x.max() < 300
     assert len(list(ds.eval_batches(8, 1))) == 1
+    # The tokenizer saved beside the shards decodes them (data.sp_model given, or found there by itself).
+    tok = data.SentencePieceTokenizer.load(model)
+    assert ds.tokens.tokenizer.proto == tok.proto
+    assert data.load_data(out, tokenizer="sentencepiece").tokenizer.proto == tok.proto
+    (tmp_path / "bare").mkdir()  # the model file gone: training still loads, samples fall back to ids
+    for f in out.iterdir():
+        if f.name != "tokenizer.model":
+            (tmp_path / "bare" / f.name).symlink_to(f)
+    assert data.load_data(tmp_path / "bare", tokenizer="sentencepiece").tokenizer is None
 
     # The manifest against the config: tokenizer kind, vocabulary, model hash; each names the fix.
     sp = {"data.tokenizer": "sentencepiece", "model.vocab_size": "1024"}

@@ -726,7 +726,7 @@ def load_data(
                     raise ValueError(f"token shards in {p} carry their own eval split; do not pass eval_path.")
                 s = shards.open_shards(p, tokenizer=tokenizer if isinstance(tokenizer, str) else None,
                                        vocab_size=vocab_size, sp_model=sp_model)
-                return TokenData(s.train, s.eval, s.vocab_size, None, None, str(p), s)
+                return TokenData(s.train, s.eval, s.vocab_size, s.text_tokenizer(sp_model), None, str(p), s)
         if p.is_file() and is_token_file(p):
             tokens = load_tokens(p, dtype=token_dtype, vocab_size=vocab_size)
             if eval_path is not None:

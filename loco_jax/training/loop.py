@@ -149,7 +149,7 @@ def _train_and_evaluate(cfg, workdir, log, stop_after):
     offset = _schedule_offset(trainer, state, start) if latest is not None else 0
     window = _Window(cfg.batch_size * cfg.seq_len)
     if latest is not None:  # the steps since the last log row, read when the checkpoint was written
-        window.host = [tuple(r) for r in meta.get("unlogged", [])]
+        window.carry_unlogged(meta.get("unlogged", []))
     eval_loss = None
     try:
         batch = trainer.put_batch(batches.next_batch(cfg.batch_size)) if start < cfg.steps else None
@@ -258,6 +258,12 @@ class _Window:
         self.on_device, self.host = [], []  # (step, out) not yet read; read but not yet logged
         self.skipped, self._new = None, []
         self.t_last = time.perf_counter()
+        self.carried = 0  # host rows restored from a checkpoint: logged, but not run in this interval's time
+
+    def carry_unlogged(self, rows):
+        """The steps a checkpoint read but did not log: they join the next row's means, not its speed."""
+        self.host = [tuple(r) for r in rows]
+        self.carried = len(self.host)
 
     def add(self, step, out):
         self.on_device.append((step, out))
@@ -291,11 +297,11 @@ class _Window:
             # the optimizer's own count: skipped steps do not advance the learning-rate schedule
             "step": step, "loss": sum(losses) / len(losses),
             "lr": float(trainer.schedule(step - 1 - self.skipped)),
-            "tokens_per_s": self.tokens_per_step * len(self.host) / (now - self.t_last),
+            "tokens_per_s": self.tokens_per_step * (len(self.host) - self.carried) / (now - self.t_last),
             "bytes_sent_per_device": bytes_so_far, "skipped_steps": self.skipped,
             "grad_rms": sum(grad_rms) / len(grad_rms),
         }
-        self.host, self.t_last = [], now
+        self.host, self.t_last, self.carried = [], now, 0
         return row
 
 

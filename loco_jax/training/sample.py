@@ -90,9 +90,10 @@ def default_prompts(data, num: int = DEFAULT_NUM) -> list:
     """``num`` short prompts from a run's data (a :class:`~loco_jax.training.data.TokenData` or None).
 
     Text data: the first words of ``num`` lines spread over the eval text (the training text when no
-    eval text was held out), so the model continues text like the text it was judged on. Token files
-    (no tokenizer): the first :data:`PROMPT_TOKENS` ids of ``num`` spread positions of the eval stream,
-    as lists of ints. Nothing to go on: a newline each.
+    eval text was held out), so the model continues text like the text it was judged on. Token files and
+    shards (no text at hand): the first :data:`PROMPT_TOKENS` ids of ``num`` spread positions of the eval
+    stream, as lists of ints (shown as text where the data knows its tokenizer). Nothing to go on: a
+    newline each.
     """
     if num < 1:
         raise ValueError(f"num={num} must be >= 1.")
@@ -101,7 +102,7 @@ def default_prompts(data, num: int = DEFAULT_NUM) -> list:
         prompts = _line_prompts(corpus.eval_text, num) or _line_prompts(corpus.train_text, num)
         if prompts:
             return prompts
-    if data is not None and getattr(data, "tokenizer", None) is None:
+    if data is not None:  # token files and shards (decoded for display where they know their tokenizer)
         for stream in (data.eval_tokens, data.train_tokens):
             if len(stream) >= PROMPT_TOKENS:
                 last = len(stream) - PROMPT_TOKENS

@@ -472,6 +472,28 @@ class ShardSet:
     def tokenizer_kind(self) -> str:
         return self.manifest["tokenizer"]["kind"]
 
+    def text_tokenizer(self, sp_model: str | os.PathLike | None = None):
+        """The tokenizer the shards were made with, to turn samples back into text, or None.
+
+        ``byte``: :class:`~loco_jax.training.data.ByteTokenizer`. ``sentencepiece``: ``sp_model`` if given,
+        else the ``tokenizer.model`` saved beside the shards (its SHA-256 was checked on opening); None when
+        that file is gone or the optional ``sentencepiece`` package is missing, so training still runs and
+        samples print token ids. Any other kind (shards made elsewhere): None.
+        """
+        t = self.manifest["tokenizer"]
+        if t["kind"] == "byte":
+            return data_lib.ByteTokenizer()
+        if t["kind"] != "sentencepiece":
+            return None
+        model = Path(sp_model).expanduser() if sp_model is not None else (
+            self.path / t["model_file"] if t.get("model_file") else None)
+        if model is None or not model.is_file():
+            return None
+        try:
+            return data_lib.SentencePieceTokenizer.load(model)
+        except ImportError:
+            return None
+
     def describe(self) -> str:
         t = self.manifest["tokenizer"]
         n = len(self.manifest["shards"])

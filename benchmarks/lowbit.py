@@ -4,7 +4,7 @@
     python benchmarks/lowbit.py --group select      # seed 0: the candidates the defaults are chosen from
     python benchmarks/lowbit.py --group final       # seeds 1-3: full precision, the defaults, naive
     python benchmarks/lowbit.py --group noise       # seeds 1-3: 8-bit, the paired gap's noise floor
-    python benchmarks/lowbit.py --group diloco      # Streaming DiLoCo's 2- and 1-bit outer exchange
+    python benchmarks/lowbit.py --group diloco      # Streaming DiLoCo's 4-, 2- and 1-bit outer exchange
     python benchmarks/lowbit.py --report            # tables and plots from the finished cells
 
 Same model, data, steps (480), batch (16 x 64), learning rate and clipping as
@@ -78,7 +78,12 @@ DILOCO_SELECT = [
     ("m2_sel2_lloydrot_comp", 2, "lloyd", True, True),
     ("m2_sel1_introt_naive", 1, "int", True, False),
     ("m2_sel1_introt_comp", 1, "int", True, True),
+    ("m2_sel4_int_naive", 4, "int", False, False),  # the reference (the paper's 4-bit exchange, no rotation)
+    ("m2_sel4_lloydrot_naive", 4, "lloyd", True, False),
+    ("m2_sel4_lloydrot_comp", 4, "lloyd", True, True),
 ]
+# M = 4, seed 0: the 4-bit reference against the rotated Lloyd-Max levels, beside m4_stream_fp32.
+DILOCO_M4_4BIT = [("m4_sel4_int_naive", 4, "int", False, False), ("m4_sel4_lloydrot_naive", 4, "lloyd", True, False)]
 
 
 def _stream(m):
@@ -129,6 +134,8 @@ def cells() -> dict[str, tuple[str, list[str]]]:
         out[name] = ("diloco", _seed(0) + _stream(2) + _outer(bits, fmt, rot, comp))
     for b in (2, 1):  # M = 4: what diloco.diloco(bits=b) resolves to
         out[f"m4_stream_default{b}"] = ("diloco", _seed(0) + _stream(4) + [f"diloco.bits={b}"])
+    for name, bits, fmt, rot, comp in DILOCO_M4_4BIT:
+        out[name] = ("diloco", _seed(0) + _stream(4) + _outer(bits, fmt, rot, comp))
     return quality.register(out)
 
 
@@ -233,7 +240,7 @@ def diloco_table():
     from loco_jax import diloco
 
     lines = [
-        f"### Streaming DiLoCo's outer exchange at 2 and 1 bits (seed 0, H = {quality.H}, P = 3, tau = 1, alpha 0.5)",
+        f"### Streaming DiLoCo's outer exchange at 4, 2 and 1 bits (seed 0, H = {quality.H}, P = 3, tau = 1, alpha 0.5)",
         "",
         "Final eval loss on the global parameters and its gap to Streaming DiLoCo with an fp32 exchange at the "
         "same M. All-gather exchange (one quantization), block 256, 8-bit error buffers where compensated. "
@@ -250,6 +257,9 @@ def diloco_table():
         lines.append(f"| 2 | {bits} | {fmt} | {'Hadamard' if rot else 'none'} | {'yes' if comp else 'no'} | {_cell(name)} | {gap} |")
     base = quality.final("m4_stream_fp32")
     lines.append(f"| 4 | fp32 | | | | {_cell('m4_stream_fp32')} | |")
+    for name, bits, fmt, rot, comp in DILOCO_M4_4BIT:
+        gap = f"{_gap(quality.final(name), base):+.2f} %" if quality.finished(name) else ""
+        lines.append(f"| 4 | {bits} | {fmt} | {'Hadamard' if rot else 'none'} | {'yes' if comp else 'no'} | {_cell(name)} | {gap} |")
     for b in (2, 1):
         name, s = f"m4_stream_default{b}", diloco.settings(b)
         gap = f"{_gap(quality.final(name), base):+.2f} %" if quality.finished(name) else ""
@@ -287,7 +297,7 @@ def plots():
 
 
 def report(no_write, extra_args):
-    png = plots()
+    png = os.path.join(quality.IMG, "lowbit_loss.png") if no_write else plots()  # --no-write leaves docs/ alone
     rel = os.path.relpath(png, os.path.dirname(common.RESULTS))
     body = "\n\n".join([
         "Model, data and schedule: as in the training-quality section (919k parameters, 480 steps of 16 x 64 "

@@ -443,12 +443,16 @@ def final_table(steps=LONG):
             byte = common.human(cross_replica_bytes(name_of(1))) if _done(name_of(1)) else ""
             lines.append(f"| {m} | {method} | {_label(s)} | {byte} | " + " | ".join(_fmt(g) for g in gaps)
                          + f" | {_fmt(mean)} | {'<= ' + _fmt(target) if target else ''} |")
-        two = lambda seed: f"par_m{m}_stream2_{steps}_s{seed}"  # noqa: E731
-        four = lambda seed: f"par_m{m}_stream4_{steps}_s{seed}"  # noqa: E731
+        stream = lambda key: lambda seed: f"par_m{m}_{key}_{steps}_s{seed}"  # noqa: E731
         if chosen.get(("stream", m)):
-            gaps, mean = _row_gaps(two, four)
-            lines.append(f"| {m} | Streaming 2-bit against 4-bit | | | " + " | ".join(_fmt(g) for g in gaps)
-                         + f" | {_fmt(mean)} | within 0.3 % |")
+            # what the exchange's quantization costs: the same settings, seeds and data with fp32 exchanged
+            for low, high, label, target in (("stream2", "stream4", "2-bit against 4-bit", "within 0.3 %"),
+                                             ("stream4", "stream32", "4-bit against fp32 exchange", ""),
+                                             ("stream2", "stream32", "2-bit against fp32 exchange", "")):
+                gaps, mean = _row_gaps(stream(low), stream(high))
+                if any(g is not None for g in gaps):
+                    lines.append(f"| {m} | Streaming {label} | | | " + " | ".join(_fmt(g) for g in gaps)
+                                 + f" | {_fmt(mean)} | {target} |")
     return "\n".join(lines)
 
 
@@ -458,7 +462,8 @@ def local_table(steps=LONG):
              "local parameters, from each run's last checkpoint.", "",
              "| M | method | global | replica 0's local | average of the local |", "|---:|---|---:|---:|---:|"]
     for m in (2, 4):
-        for key, method in (("diloco", "DiLoCo fp32"), ("stream4", "Streaming DiLoCo 4-bit")):
+        for key, method in (("diloco", "DiLoCo fp32"), ("stream32", "Streaming DiLoCo, fp32 exchange"),
+                            ("stream4", "Streaming DiLoCo 4-bit"), ("stream2", "Streaming DiLoCo 2-bit")):
             names = [f"par_m{m}_{key}_{steps}_s{seed}" for seed in SEEDS]
             if not all(_done(n) for n in names):
                 continue

@@ -43,7 +43,7 @@ MIN_ROUNDS = 100
 H, FRAGMENTS = 30, 3
 SEEDS = (1, 2, 3)
 TARGETS = {  # issue 14: mean signed gap to data parallel over seeds 1-3, percent
-    ("stream4", 2): 1.0, ("stream4", 4): 2.0, ("diloco", 2): 2.0,
+    ("stream4", 2): 1.0, ("stream4", 4): 2.0, ("diloco", 2): 2.0, ("stream4rot", 2): 1.0, ("stream4rot", 4): 2.0,
 }
 # The DiLoCo scaling-law paper's loss fits L(N) = A N^alpha (Charles et al., arXiv 2503.09799, Table 7:
 # C4, Chinchilla-optimal tokens, H = 30, outer lr tuned per M; fitted on 35M-2.4B parameters), for the
@@ -119,8 +119,16 @@ def _diloco(seed, steps, m, *, bits, fragments, overlap, outer_lr, momentum, alp
     ]
 
 
-def _stream(seed, steps, m, bits, s):
-    return _diloco(seed, steps, m, bits=bits, fragments=FRAGMENTS, overlap=1, **s)
+# The 4-bit exchanges, pinned so that a change of diloco.diloco(bits=4)'s default never moves a cell:
+# "stream4" ran the reference int absmax, the default until 2026-12-02 (every tune cell and the first seeded
+# cells); "stream4rot" is the rotated Lloyd-Max exchange that is the default since (lowbit.py's selection).
+EXCHANGE = {"stream4": dict(format="int", rotate=False, compensate=False),
+            "stream4rot": dict(format="lloyd", rotate=True, compensate=False)}
+
+
+def _stream(seed, steps, m, bits, s, exchange="stream4"):
+    pins = [f"diloco.{k}={str(v).lower()}" for k, v in EXCHANGE[exchange].items()] if bits == 4 else []
+    return _diloco(seed, steps, m, bits=bits, fragments=FRAGMENTS, overlap=1, **s) + pins
 
 
 def _vanilla(seed, steps, m, s):
@@ -238,7 +246,9 @@ def selection():
     return out
 
 
-METHODS = (("stream4", 4), ("stream2", 2), ("stream32", None))
+METHODS = (("stream4", 4), ("stream2", 2), ("stream32", None), ("stream4rot", 4))
+EXCHANGE_LABEL = {"stream4": "4-bit int exchange (the default until 2026-12-02)", "stream2": "2-bit exchange",
+                  "stream32": "fp32 exchange", "stream4rot": "4-bit rotated Lloyd-Max exchange (the default since)"}
 
 
 def seeded_cells():
@@ -252,7 +262,7 @@ def seeded_cells():
                 s = chosen.get(("stream", m))
                 if s:
                     for name, bits in METHODS if group == "final" else METHODS[:1]:
-                        out[f"par_m{m}_{name}_{steps}_s{seed}"] = (group, _stream(seed, steps, m, bits, s))
+                        out[f"par_m{m}_{name}_{steps}_s{seed}"] = (group, _stream(seed, steps, m, bits, s, name))
                 s = chosen.get(("diloco", m))
                 if s and (group == "final" or m == 2):
                     out[f"par_m{m}_diloco_{steps}_s{seed}"] = (group, _vanilla(seed, steps, m, s))
@@ -432,8 +442,8 @@ def final_table(steps=LONG):
             lines.append(f"| {m} | data parallel | lr={chosen.get('dp', float('nan')):g} | "
                          f"{common.human(data_parallel_bytes(m))} | | | | | |")
         rows = [("diloco", "DiLoCo fp32 (P = 1, tau = 0, alpha 0)", chosen.get(("diloco", m)))]
-        rows += [(name, f"Streaming DiLoCo, {f'{bits}-bit' if bits else 'fp32'} exchange (P = {FRAGMENTS}, tau = 1)",
-                  chosen.get(("stream", m))) for name, bits in METHODS]
+        rows += [(name, f"Streaming DiLoCo, {EXCHANGE_LABEL[name]} (P = {FRAGMENTS}, tau = 1)",
+                  chosen.get(("stream", m))) for name, _ in METHODS]
         for key, method, s in rows:
             if s is None:
                 continue
@@ -447,7 +457,8 @@ def final_table(steps=LONG):
         if chosen.get(("stream", m)):
             # what the exchange's quantization costs: the same settings, seeds and data with fp32 exchanged
             for low, high, label, target in (("stream2", "stream4", "2-bit against 4-bit", "within 0.3 %"),
-                                             ("stream4", "stream32", "4-bit against fp32 exchange", ""),
+                                             ("stream4", "stream32", "4-bit int against fp32 exchange", ""),
+                                             ("stream4rot", "stream32", "4-bit rotated against fp32 exchange", ""),
                                              ("stream2", "stream32", "2-bit against fp32 exchange", "")):
                 gaps, mean = _row_gaps(stream(low), stream(high))
                 if any(g is not None for g in gaps):
@@ -548,9 +559,11 @@ def report(no_write, extra_args):
     body = "\n\n".join([
         "Model, data, batch and schedule: `benchmarks/quality.py`'s (919k parameters; 16 x 64 bytes per step on 8 "
         f"simulated devices; AdamW, warm-up 20 steps, cosine to 10 %, clip 1.0). A {LONG:,}-step run reads "
-        f"{LONG * 1024:,} bytes, {epochs:.2f} epochs of the {chars:,}-byte training text. The 4-bit exchange is what "
-        f"`diloco.diloco(bits=4)` resolves to today: {diloco.settings(4)}. Each cell's command: "
-        "`python benchmarks/parity.py --list`.",
+        f"{LONG * 1024:,} bytes, {epochs:.2f} epochs of the {chars:,}-byte training text. `diloco.diloco(bits=4)` "
+        f"resolves to {diloco.settings(4)} today; the 4-bit cells pin their exchange (`stream4`: "
+        f"{EXCHANGE['stream4']}, the default until 2026-12-02, which every tune cell ran; `stream4rot`: "
+        f"{EXCHANGE['stream4rot']}), and `diloco.diloco(bits=2)` resolves to {diloco.settings(2)}. Each cell's "
+        "command: `python benchmarks/parity.py --list`.",
         scaling_law_note(_n_params()),
         "### Plan", plan(),
         "### Tuning on seed 0", tune_table(),

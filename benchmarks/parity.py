@@ -16,8 +16,9 @@ defaults is never read back under another).
 
 Equal tokens: every cell takes the same global batch per step (each of M replicas B/M sequences) for
 the same number of steps, in the same data order for the same seed, so data parallel and DiLoCo see
-the same tokens. Headline cells: H = 30, 3 fragments, overlap 1, alpha 0.5 and the 4-bit outer
-exchange that ``diloco.diloco(bits=4)`` resolves to. The metric is the final eval loss on the global
+the same tokens. Headline cells: H = 30, 3 fragments, overlap 1, alpha 0.5 and a 4-bit outer exchange,
+pinned per cell (``EXCHANGE``: the int absmax that ``diloco.diloco(bits=4)`` resolved to when the cells
+were planned, and the rotated Lloyd-Max levels it resolves to since 2026-12-02). The metric is the final eval loss on the global
 parameters. Settings are chosen on seed 0 (``tune``: each knob moved one at a time from the papers'
 defaults, then one cell combining the moves that beat the defaults; the selection is the best measured
 cell with at least 100 outer rounds per fragment, never an untried combination) and reported on

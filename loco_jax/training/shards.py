@@ -485,8 +485,7 @@ class ShardSet:
             return data_lib.ByteTokenizer()
         if t["kind"] != "sentencepiece":
             return None
-        model = Path(sp_model).expanduser() if sp_model is not None else (
-            self.path / t["model_file"] if t.get("model_file") else None)
+        model = Path(sp_model).expanduser() if sp_model is not None else _saved_model(self.manifest, self.path)
         if model is None or not model.is_file():
             return None
         try:
@@ -501,6 +500,12 @@ class ShardSet:
         held = (f"{len(ev['shards'])} eval shard(s)" if "shards" in ev else f"a held-out tail of {ev['tail_tokens']:,}")
         return (f"{n} shard(s) ({self.manifest['dtype']}, {held}); tokenizer {t['kind']} "
                 f"(vocabulary {t['vocab_size']}{', sha256 ' + t['sha256'][:12] if t.get('sha256') else ''})")
+
+
+def _saved_model(manifest: dict, path: Path) -> Path | None:
+    """The tokenizer model file saved beside the shards in ``path``, per the manifest (None for bytes)."""
+    name = manifest["tokenizer"].get("model_file")
+    return Path(path) / name if name else None
 
 
 def _file_sha256(path: Path) -> str:
@@ -518,7 +523,7 @@ def check_tokenizer(manifest: dict, path: str | os.PathLike, *, tokenizer: str |
     p = Path(path)
     t = manifest["tokenizer"]
     kind, vocab, digest = t["kind"], int(t["vocab_size"]), t.get("sha256")
-    own = p / t["model_file"] if t.get("model_file") else None
+    own = _saved_model(manifest, p)
     use = (f"--set data.tokenizer={kind}" + (f" --set data.sp_vocab_size={vocab}" if kind == "sentencepiece" else "")
            + (f" --set data.sp_model={own}" if own is not None else "") + f" (and model.vocab_size >= {vocab})")
     if tokenizer is not None and kind in ("byte", "sentencepiece") and tokenizer != kind:

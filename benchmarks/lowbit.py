@@ -250,16 +250,13 @@ def diloco_table():
         "| M | bits | format | rotation | compensation | eval loss | gap to fp32 |",
         "|---:|---:|---|---|---|---:|---:|",
     ]
-    base = quality.final("m2_stream_fp32")
-    lines.append(f"| 2 | fp32 | | | | {_cell('m2_stream_fp32')} | |")
-    for name, bits, fmt, rot, comp in DILOCO_SELECT:
-        gap = f"{_gap(quality.final(name), base):+.2f} %" if quality.finished(name) else ""
-        lines.append(f"| 2 | {bits} | {fmt} | {'Hadamard' if rot else 'none'} | {'yes' if comp else 'no'} | {_cell(name)} | {gap} |")
-    base = quality.final("m4_stream_fp32")
-    lines.append(f"| 4 | fp32 | | | | {_cell('m4_stream_fp32')} | |")
-    for name, bits, fmt, rot, comp in DILOCO_M4_4BIT:
-        gap = f"{_gap(quality.final(name), base):+.2f} %" if quality.finished(name) else ""
-        lines.append(f"| 4 | {bits} | {fmt} | {'Hadamard' if rot else 'none'} | {'yes' if comp else 'no'} | {_cell(name)} | {gap} |")
+    for m, candidates in ((2, DILOCO_SELECT), (4, DILOCO_M4_4BIT)):
+        base = quality.final(f"m{m}_stream_fp32")
+        lines.append(f"| {m} | fp32 | | | | {_cell(f'm{m}_stream_fp32')} | |")
+        for name, bits, fmt, rot, comp in candidates:
+            gap = f"{_gap(quality.final(name), base):+.2f} %" if quality.finished(name) else ""
+            lines.append(f"| {m} | {bits} | {fmt} | {'Hadamard' if rot else 'none'} | {'yes' if comp else 'no'} | "
+                         f"{_cell(name)} | {gap} |")
     for b in (2, 1):
         name, s = f"m4_stream_default{b}", diloco.settings(b)
         gap = f"{_gap(quality.final(name), base):+.2f} %" if quality.finished(name) else ""

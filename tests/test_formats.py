@@ -86,24 +86,25 @@ def test_rotation_is_the_randomized_hadamard_transform(block):
 
 
 @pytest.mark.parametrize("block", [2, 8, 128, 256])
-def test_radix4_transform_is_bit_identical_to_radix2_butterflies(block):
-    """The radix-4 passes add in the order of two radix-2 stages: the same float32 bits as the textbook butterfly."""
+def test_kronecker_transform_is_the_hadamard_matmul_to_float32_rounding(block):
+    """``H_a X H_b`` is ``x @ H_n`` (scipy's Sylvester matrix, float64) up to float32 rounding of 32 terms."""
+    from scipy.linalg import hadamard
+
+    np.testing.assert_array_equal(quant._sylvester(block), hadamard(block))
     x = (gaussian((3, 2 * block), seed=block) * 1e3).astype(np.float32)
-    y = x.reshape(-1, block).copy()
-    h = 1
-    while h < block:  # radix-2 float32 butterflies in NumPy
-        y = y.reshape(-1, block // (2 * h), 2, h)
-        y = np.stack([y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]], axis=2)
-        h *= 2
-    want = y.reshape(x.shape) * np.float32(1.0 / np.sqrt(block))
-    np.testing.assert_array_equal(np.asarray(quant._hadamard(jnp.asarray(x), block)), want)
+    want = (x.reshape(-1, block).astype(np.float64) @ hadamard(block) / np.sqrt(block)).reshape(x.shape)
+    got = np.asarray(quant._hadamard(jnp.asarray(x), block))
+    assert got.dtype == np.float32
+    scale = np.linalg.norm(x.reshape(-1, block), axis=1).repeat(block).reshape(x.shape)
+    assert np.max(np.abs(got - want) / scale) < 1e-6
 
 
-def test_rotation_keeps_a_nan_inside_its_block():
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_rotation_keeps_a_nan_or_inf_inside_its_block(bad):
     x = gaussian((1, 1024), seed=0)
-    x[0, 300] = np.nan
+    x[0, 300] = bad
     y = np.asarray(quant.rotate(jnp.asarray(x), 256, 0))[0]
-    assert np.all(np.isnan(y[256:512])) and np.all(np.isfinite(np.delete(y, np.s_[256:512])))
+    assert np.all(~np.isfinite(y[256:512])) and np.all(np.isfinite(np.delete(y, np.s_[256:512])))
 
 
 @pytest.mark.parametrize(

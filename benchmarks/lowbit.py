@@ -250,18 +250,15 @@ def diloco_table():
         "| M | bits | format | rotation | compensation | eval loss | gap to fp32 |",
         "|---:|---:|---|---|---|---:|---:|",
     ]
-    for m, candidates in ((2, DILOCO_SELECT), (4, DILOCO_M4_4BIT)):
+    defaults = [(f"m4_stream_default{b}", b, f"default: {s['format']}", s["rotate"], s["compensate"])
+                for b, s in ((b, diloco.settings(b)) for b in (2, 1))]  # what diloco.diloco(bits=b) resolves to
+    for m, candidates in ((2, DILOCO_SELECT), (4, DILOCO_M4_4BIT + defaults)):
         base = quality.final(f"m{m}_stream_fp32")
         lines.append(f"| {m} | fp32 | | | | {_cell(f'm{m}_stream_fp32')} | |")
         for name, bits, fmt, rot, comp in candidates:
             gap = f"{_gap(quality.final(name), base):+.2f} %" if quality.finished(name) else ""
             lines.append(f"| {m} | {bits} | {fmt} | {'Hadamard' if rot else 'none'} | {'yes' if comp else 'no'} | "
                          f"{_cell(name)} | {gap} |")
-    for b in (2, 1):
-        name, s = f"m4_stream_default{b}", diloco.settings(b)
-        gap = f"{_gap(quality.final(name), base):+.2f} %" if quality.finished(name) else ""
-        lines.append(f"| 4 | {b} | default: {s['format']} | {'Hadamard' if s['rotate'] else 'none'} | "
-                     f"{'yes' if s['compensate'] else 'no'} | {_cell(name)} | {gap} |")
     return "\n".join(lines)
 
 

@@ -182,6 +182,19 @@ def reduce_leaf(fn, leaf):
     return fn(leaf)
 
 
+def _after(leaves, previous):
+    """``leaves``, made to depend on the values of ``previous`` (a real data dependency, which every backend keeps).
+
+    ``lax.optimization_barrier`` does not order work on XLA:CPU (the barrier is expanded away before
+    scheduling), so the buckets' fp32 working copies all came to exist at once. Here one element of
+    ``previous`` times zero is added to the first leaf: the same values whenever ``previous`` is finite,
+    and a non-finite ``previous`` makes the step non-finite (skipped) anyway.
+    """
+    last = jax.tree.leaves(previous)[-1]
+    dep = (last.reshape(-1)[0] * 0).astype(leaves[0].dtype)
+    return [leaves[0] + dep] + list(leaves[1:])
+
+
 def _all_finite(tree):
     leaves = jax.tree.leaves(tree)
     flag = jnp.array(True)
@@ -472,7 +485,7 @@ def compress(
             if bucket_size is not None and previous is not None:
                 # one bucket at a time: its inputs are taken only once the previous bucket's result exists,
                 # so the fp32 working copies (conversions, transposes, rotations) of two buckets never coexist
-                group_leaves, _ = lax.optimization_barrier((group_leaves, previous))
+                group_leaves = _after(group_leaves, previous)
             if not quantized:
                 for i, out in zip(group, _exact(group_leaves, m, [dims[i] for i in group] if scatter else None)):
                     out_leaves[i] = out

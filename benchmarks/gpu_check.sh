@@ -2,7 +2,8 @@
 # The GPU-only checks, for one H200 (no network, jax 0.11.2 preinstalled); under 10 minutes.
 # Results go to $OUT/gpu_check.json, $OUT/host_time.md and $OUT/memory_1b.json.
 # On CPU: MODEL=tiny BATCH=4 SEQ=64 HOST_SETS="--set model.d_model=64 --set model.num_layers=2 --set model.num_heads=2
-#   --set model.d_ff=128 --set model.vocab_size=512 --set seq_len=64 --set batch_size=8" bash benchmarks/gpu_check.sh
+#   --set model.d_ff=128 --set model.vocab_size=512 --set seq_len=64 --set batch_size=8 --set diloco.num_fragments=3" \
+#   bash benchmarks/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}

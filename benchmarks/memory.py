@@ -33,15 +33,13 @@ import tempfile
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not benchmarks/
 
 
-def _simulate_devices(argv):
-    """Simulate exactly ``--devices`` CPU devices (the trainer's mesh takes every visible device), before jax."""
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--devices=") else argv[i + 1] if arg == "--devices" and i + 1 < len(argv) else None
-        if value is not None and value.isdigit() and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={value}".strip()
+# Simulate exactly --devices CPU devices (the trainer's mesh takes every visible device); read before jax is imported.
+_pre = argparse.ArgumentParser(add_help=False)
+_pre.add_argument("--devices", type=int, default=8)
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    _count = f"--xla_force_host_platform_device_count={_pre.parse_known_args()[0].devices}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_count}".strip()
 
-
-_simulate_devices(sys.argv[1:])
 from benchmarks import common  # noqa: E402  (sets XLA_FLAGS before jax is imported)
 
 import jax  # noqa: E402

@@ -15,6 +15,12 @@ import argparse
 import os
 import sys
 
+from loco_jax.training.mesh import HEARTBEAT_TIMEOUT
+
+# Multi-process default (README, "Reliability"): a run that completes no sync step in 30 minutes, compiling
+# excluded, counts as hung (a pod's sync step takes seconds; a checkpoint of the 8B recipe, minutes).
+DEFAULT_STEP_TIMEOUT = 1800
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Train a transformer with LoCo and Streaming DiLoCo.")
@@ -39,7 +45,20 @@ def main(argv=None):
     parser.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
     parser.add_argument("--local-devices", type=int, default=None,
                         help="CPU only: simulate this many devices per process (default 8 on a single CPU process)")
+    parser.add_argument("--heartbeat-timeout", type=int, default=None, metavar="SECONDS",
+                        help="multi-host: seconds without a heartbeat after which a process counts as dead and the "
+                             "others stop (default %d)" % HEARTBEAT_TIMEOUT)
+    parser.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+                        help="exit (status 124) when no sync step completes within this many seconds, compiling "
+                             "excluded; 0: off (default: %d on a multi-process run, off on one process)"
+                             % DEFAULT_STEP_TIMEOUT)
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the full error (Python and runtime) when a peer process fails, not just the summary")
     args = parser.parse_args(argv)
+    if args.heartbeat_timeout is not None and args.heartbeat_timeout < 1:
+        parser.error(f"--heartbeat-timeout={args.heartbeat_timeout} must be >= 1 second.")
+    if args.step_timeout is not None and not args.step_timeout >= 0:
+        parser.error(f"--step-timeout={args.step_timeout} must be >= 0 seconds (0: no watchdog).")
 
     # Everything that can be checked without devices is checked before jax starts.
     from loco_jax import config as config_lib
@@ -74,7 +93,24 @@ def main(argv=None):
 
     if args.local_devices is None and not os.environ.get("JAX_PLATFORMS", "").startswith(("cuda", "gpu", "tpu")):
         args.local_devices = 8 if args.num_processes in (None, 1) else None
-    mesh.initialize(args.coordinator, args.num_processes, args.process_id, local_device_count=args.local_devices)
+    from loco_jax.training import failure
+
+    runtime_log = os.environ.get(failure.SUPERVISED_ENV)
+    settings = mesh.distributed_settings(args.coordinator, args.num_processes, args.process_id)
+    if settings and settings["num_processes"] > 1 and not args.sample and runtime_log is None:
+        # this process only watches: the training process it starts is what an abort by the runtime ends
+        guard = failure.Guard(workdir, settings["process_id"], settings["num_processes"], verbose=args.verbose)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        return failure.supervise([sys.executable, os.path.abspath(__file__), *argv], guard)
+    if runtime_log is not None:  # the training process of a supervised run
+        failure.die_with_supervisor()
+        if runtime_log != "-":
+            failure.runtime_messages_to(runtime_log)
+    settings = mesh.initialize(args.coordinator, args.num_processes, args.process_id,
+                               local_device_count=args.local_devices,
+                               heartbeat_timeout=args.heartbeat_timeout or HEARTBEAT_TIMEOUT)
+    step_timeout = args.step_timeout if args.step_timeout is not None else (
+        DEFAULT_STEP_TIMEOUT if settings and settings["num_processes"] > 1 else 0)
 
     if args.sample:
         sample.sample_workdir(workdir, args.overrides, seed=args.sample_seed, **sample_options)
@@ -82,7 +118,7 @@ def main(argv=None):
 
     from loco_jax import trainer
 
-    summary = trainer.train_and_evaluate(cfg, workdir)
+    summary = trainer.train_and_evaluate(cfg, workdir, step_timeout=step_timeout or None, verbose=args.verbose)
     print(f"done: step {summary['last_step']}, eval loss {summary['eval_loss']}; workdir {workdir}")
     return 0
 

@@ -58,6 +58,7 @@ STEPS, H = 480, 24
 BASE = [
     f"steps={STEPS}", "batch_size=16", "seq_len=64", "eval_every=48", "eval_batches=16", "log_every=8",
     "checkpoint_every=240", "keep_checkpoints=1",
+    "optim.lr=0.003",  # pinned: configs/ddp.py, the base file, runs its own tuned rate (2e-3 at 3,000 steps)
 ]
 SEEDS = (0, 1, 2)
 

@@ -6,6 +6,12 @@ lr 4e-4 (betas 0.9 / 0.95, weight decay 0.1) with warm-up and cosine decay; oute
 Nesterov momentum 0.9. Set mesh.replicas to the number of clusters (one replica per host group) and
 batch_size to the global batch in sequences.
 
+Settings:
+    steps=88000 batch_size=512 seq_len=2048 model.d_model=2048 model.num_layers=24 model.num_heads=16
+    model.d_ff=5632 model.vocab_size=32000 optim.lr=0.0004 optim.b1=0.9 optim.b2=0.95 optim.weight_decay=0.1
+    diloco.sync_every=100 diloco.num_fragments=9 diloco.overlap=1 diloco.alpha=0.5 diloco.bits=4
+    diloco.format=e3m0 diloco.outer_lr=0.4 diloco.outer_momentum=0.9
+
 It trains on your corpus, never on the Shakespeare demo text: without data.path it refuses to start
 (data.require_path) and prints the command below. Tokenize once, then run the same command on every host:
 

@@ -12,6 +12,12 @@ Across replicas (mesh.replicas, one per cluster): Streaming DiLoCo with the pape
 strided blocks), overlap 1, alpha 0.5, a 4-bit e3m0 outer exchange, outer SGD lr 0.4 with Nesterov
 momentum 0.9.
 
+Settings:
+    seq_len=4096 accum_steps=8 model.d_model=4096 model.num_layers=32 model.num_heads=32 model.num_kv_heads=8
+    model.d_ff=14336 model.vocab_size=128256 mesh.fsdp=true loco.bits=4 loco.format=lloyd loco.rotate=true
+    loco.beta=0.0 loco.error_bits=8 diloco.sync_every=100 diloco.num_fragments=12 diloco.overlap=1
+    diloco.alpha=0.5 diloco.bits=4 diloco.format=e3m0 diloco.outer_lr=0.4 diloco.outer_momentum=0.9
+
 Every setting that decides memory or bandwidth is pinned here rather than left to the library's
 per-bit defaults, so a later change of those defaults does not move this recipe. Per device: one
 sequence of 4096 tokens per micro-batch, 8 micro-batches per step (accum_steps): 8 sequences per device

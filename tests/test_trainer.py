@@ -138,7 +138,25 @@ def test_changed_model_on_resume_is_refused(text_file, straight_run):
         trainer.train_and_evaluate(small_config(text_file, **{"model.d_model": 48}), straight_run[0], log=quiet)
 
 
-def test_raising_steps_extends_the_run(text_file, straight_run):
+def test_a_finished_run_reruns_as_a_no_op_then_raising_steps_extends_it(text_file, straight_run, tmp_path, capsys):
+    """Rerunning the finished command (and one with steps below the checkpoint) trains and writes nothing,
+    exits 0 and says where the run stands; raising steps then extends it with every row logged once."""
+    import train
+
+    workdir = straight_run[0]
+    files = ("config.json", "metrics.jsonl", "programs.json")
+    before = {name: open(os.path.join(workdir, name), "rb").read() for name in files}
+    config_path = write_config_file(tmp_path / "cfg.py", small_config(text_file))
+    assert train.main(["--config", config_path, "--workdir", workdir]) == 0
+    out = capsys.readouterr().out
+    assert f"the run in {workdir} is already at step 12: nothing to train" in out, out
+    assert "done: step 12, eval loss" in out and "eval loss None" not in out
+    lines = []
+    summary = trainer.train_and_evaluate(small_config(text_file, steps=10), workdir, log=lines.append)
+    assert summary["last_step"] == 12 and "already past steps=10, at step 12" in lines[0], lines
+    assert {name: open(os.path.join(workdir, name), "rb").read() for name in files} == before
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12", "6"]
+
     lines = []
     summary = trainer.train_and_evaluate(small_config(text_file, steps=14), straight_run[0], log=lines.append)
     assert any("steps changed 12 -> 14" in line for line in lines), lines

@@ -13,6 +13,7 @@ imports nothing from here. Modules, in the order a config flows through them:
 - :mod:`~loco_jax.training.steps`: the optimizer of a config, ``train_step`` and ``eval_step``;
 - :mod:`~loco_jax.training.trainer`: the ``Trainer`` (mesh, data, compiled programs, state);
 - :mod:`~loco_jax.training.loop`: ``train_and_evaluate``, the loop;
+- :mod:`~loco_jax.training.failure`: a dead peer process or a hung step ends the run with one message;
 - :mod:`~loco_jax.training.checkpoints`: orbax checkpoints and elastic restore;
 - :mod:`~loco_jax.training.metrics`: ``metrics.jsonl``, the summary table, the plot, progress;
 - :mod:`~loco_jax.training.sample`: text generated from the global parameters (end of a run, ``--sample``).

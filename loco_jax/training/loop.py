@@ -33,13 +33,16 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import diloco
 from loco_jax.training import config as config_lib
+from loco_jax.training import failure
 from loco_jax.training import mesh as mesh_lib
 from loco_jax.training import model as model_lib
 from loco_jax.training.checkpoints import (
     check_resume_config, checkpoint_manager, restore_step, save, saved_config,
 )
 from loco_jax.training.sample import print_samples
-from loco_jax.training.metrics import Progress, emit, metrics_path, plot, summary_table, truncate_metrics, write_atomic
+from loco_jax.training.metrics import (
+    Progress, emit, metrics_path, plot, read_metrics, summary_table, truncate_metrics, write_atomic,
+)
 from loco_jax.training.steps import TrainState
 from loco_jax.training.trainer import Trainer
 
@@ -55,15 +58,37 @@ class _Stop:
 
 
 
-def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=emit, stop_after: int | None = None) -> dict:
+def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=emit, stop_after: int | None = None,
+                       step_timeout: float | None = None, verbose: bool = False) -> dict:
     """Trains ``cfg`` in ``workdir`` (resuming from its latest checkpoint); returns a summary.
 
     ``stop_after``: checkpoint after that step and return, as a pre-emption would (tests, schedulers).
+    ``step_timeout``: seconds within which each sync step must complete, else the process reports where
+    it is stuck and exits (:class:`~loco_jax.training.failure.StepWatchdog`); None: no watchdog. In a
+    multi-process run an error saying another process is gone ends this one at once with one message
+    (:mod:`loco_jax.training.failure`; ``verbose`` prints the full error too).
     """
     config_lib.validate(cfg)
+    if step_timeout is not None and not (isinstance(step_timeout, (int, float)) and step_timeout > 0):
+        raise ValueError(f"step_timeout={step_timeout!r} must be a positive number of seconds (or None: no watchdog).")
     os.makedirs(workdir, exist_ok=True)
+    guard = failure.Guard(workdir, jax.process_index(), jax.process_count(), verbose=verbose)
     with workdir_lock(workdir):
-        return _train_and_evaluate(cfg, workdir, log, stop_after)
+        watchdog = failure.StepWatchdog(step_timeout, guard) if step_timeout else None
+        try:
+            return _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard)
+        except Exception as e:
+            _stop_if_a_peer_failed(guard, e)
+            raise
+        finally:
+            if watchdog:
+                watchdog.stop()
+
+
+def _stop_if_a_peer_failed(guard, error):
+    """A multi-process run whose error says another process is gone stops here (does not return)."""
+    if jax.process_count() > 1 and failure.is_peer_failure(error):
+        guard.peer_failed(error)
 
 
 @contextlib.contextmanager
@@ -110,9 +135,13 @@ def workdir_lock(workdir):
         f.close()
 
 
-def _train_and_evaluate(cfg, workdir, log, stop_after):
+def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
     saved = saved_config(workdir)
     cfg = config_lib.resolve(cfg, saved)  # None settings: the run's own, else the library's
+    latest = _latest_checkpoint(workdir, cfg.keep_checkpoints)
+    if latest is not None and latest >= cfg.steps:
+        check_resume_config(workdir, cfg, saved, log=lambda *_: None)  # a changed model is still refused
+        return _already_finished(cfg, workdir, latest, log)
     check_resume_config(workdir, cfg, saved, log)
     trainer = Trainer(cfg, workdir, log)
     trainer.dataset  # load (or download) the data before anything compiles
@@ -125,7 +154,6 @@ def _train_and_evaluate(cfg, workdir, log, stop_after):
 
     manager = checkpoint_manager(workdir, cfg.keep_checkpoints)
     start, data_state, bytes_so_far = 0, None, 0.0
-    latest = manager.latest_step()
     if latest is None:
         state = trainer.init_state()
     else:
@@ -150,10 +178,15 @@ def _train_and_evaluate(cfg, workdir, log, stop_after):
     window = _Window(cfg.batch_size * cfg.seq_len)
     if latest is not None:  # the steps since the last log row, read when the checkpoint was written
         window.carry_unlogged(meta.get("unlogged", []))
-    eval_loss = None
+    eval_loss, last_saved = None, start
+    at = watchdog.at if watchdog else lambda step, phase: None
+    if watchdog:
+        trainer.compiling = watchdog.paused  # compiling a new phase's program is local work, not a hang
+        watchdog.start()
     try:
         batch = trainer.put_batch(batches.next_batch(cfg.batch_size)) if start < cfg.steps else None
         for step in range(start + 1, cfg.steps + 1):
+            at(step, "running the step program")
             phase = trainer.phase(step - offset)
             prog = trainer.program(phase, state, batch)
             params, opt_state, out = prog(state.params, state.opt_state, *batch)  # dispatched, not awaited
@@ -173,6 +206,7 @@ def _train_and_evaluate(cfg, workdir, log, stop_after):
                 continue  # a quiet step: no device read, no host collective
 
             # ---- a sync step: the interval's metrics come to the host in one transfer
+            at(step, "reading the step's metrics (waits for the device)")
             window.read()
             for bad, total in window.new_skips(skipped_seen):
                 if cfg.nonfinite == "stop":
@@ -194,6 +228,7 @@ def _train_and_evaluate(cfg, workdir, log, stop_after):
                     row["loco_error_rms"] = error_rms
                     row["loco_error_to_grad"] = error_rms / max(row["grad_rms"], 1e-30)
             if is_eval:
+                at(step, "evaluation")
                 eval_loss = trainer.evaluate(state)
                 row = dict(row or {"step": step}, eval_loss=eval_loss)
             if row is not None:
@@ -206,20 +241,29 @@ def _train_and_evaluate(cfg, workdir, log, stop_after):
             if jax.process_count() > 1:  # agreed only here, at a step that synchronises anyway
                 from jax.experimental import multihost_utils
 
+                at(step, "agreeing on a stop request with the other processes")
                 stop.requested = bool(np.any(multihost_utils.process_allgather(np.array(stop.requested))))
             if stop_after is not None and step >= stop_after:
                 stop.requested = True  # the same step on every process: no agreement needed
             if is_ckpt or stop.requested:
+                at(step, "writing a checkpoint")
                 save(manager, step, trainer, state, {"step": step, "data": data_position, "bytes_sent": bytes_so_far,
                                                      "mesh": {"replica": trainer.m, "data": trainer.d,
                                                               "fsdp": trainer.cfg.mesh.fsdp,
                                                               "local": trainer.cfg.mesh.local},
                                                      "unlogged": window.host})
                 last_saved = step
+            if watchdog:
+                watchdog.synced()
             if stop.requested:
                 log(f"stop requested: checkpoint written at step {step}; exiting")
                 break
+    except Exception as e:  # before the clean-up below, which would wait on a dead peer's barriers
+        _stop_if_a_peer_failed(guard, e)
+        raise
     finally:
+        if watchdog:
+            watchdog.stop()  # the end of the run (summary, samples) is not a step
         progress.close()
         if metrics_file:
             metrics_file.close()
@@ -234,6 +278,29 @@ def _train_and_evaluate(cfg, workdir, log, stop_after):
     if cfg.sample_tokens and not stop.requested:  # every process: a sharded leaf is gathered together
         print_samples(trainer, state, log, step=last_saved, length=cfg.sample_tokens)
     return {"last_step": last_saved, "eval_loss": eval_loss, "stopped": stop.requested, "state": state}
+
+
+def _latest_checkpoint(workdir, keep):
+    """The latest complete checkpoint's step, or None; a fresh workdir is left untouched (no folder made)."""
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        return None
+    manager = checkpoint_manager(workdir, keep)
+    try:
+        return manager.latest_step()
+    finally:
+        manager.close()
+
+
+def _already_finished(cfg, workdir, latest, log):
+    """A rerun of a run whose latest checkpoint is at or past ``cfg.steps``: nothing is trained or written."""
+    where = "at" if latest == cfg.steps else f"past steps={cfg.steps}, at"
+    log(f"the run in {workdir} is already {where} step {latest}: nothing to train. Raise steps to extend it "
+        f"(--set steps=N, N > {latest}); `python train.py --workdir {workdir} --sample` prints text from its "
+        "checkpoint.")
+    evals = [r["eval_loss"] for r in read_metrics(workdir) if "eval_loss" in r]
+    if jax.process_index() == 0 and evals:
+        log(summary_table(workdir))
+    return {"last_step": latest, "eval_loss": evals[-1] if evals else None, "stopped": False, "state": None}
 
 
 def _schedule_offset(trainer, state, start):

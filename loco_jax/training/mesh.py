@@ -65,12 +65,26 @@ def distributed_settings(coordinator_address=None, num_processes=None, process_i
     return {"coordinator_address": address, "num_processes": count, "process_id": index}
 
 
-def initialize(coordinator_address=None, num_processes=None, process_id=None, *, local_device_count=None):
+HEARTBEAT_TIMEOUT = 60  # seconds; jax's own default is 100
+
+
+def initialize(coordinator_address=None, num_processes=None, process_id=None, *, local_device_count=None,
+               heartbeat_timeout=HEARTBEAT_TIMEOUT):
     """Starts ``jax.distributed`` when settings are given; returns them (None: single process).
 
     Call before any other jax API that touches devices. ``local_device_count``
     forces that many CPU devices per process (simulated hosts).
+
+    ``heartbeat_timeout``: seconds without a heartbeat after which the coordination service declares a
+    process dead. Heartbeats come from a runtime thread of their own (compiling or a long step does not
+    delay them), so only a dead process or a lost network misses them; 60 s reports a dead peer on a pod
+    within about a minute where a collective does not raise first (NCCL waits instead) and leaves room
+    for a network blip. When it reports a dead process, jax's runtime aborts every other process (a fatal
+    error with a C++ stack trace; its Python callback for this is not usable in jaxlib 0.10):
+    :func:`loco_jax.training.failure.supervise` turns that into one message and exit status 75.
     """
+    if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, int) or heartbeat_timeout < 1:
+        raise ValueError(f"heartbeat timeout {heartbeat_timeout!r} must be a whole number of seconds >= 1.")
     settings = distributed_settings(coordinator_address, num_processes, process_id)
     if local_device_count is not None:
         flags = os.environ.get("XLA_FLAGS", "")
@@ -81,7 +95,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     if os.environ.get("JAX_PLATFORMS", "cpu").startswith("cpu") or not os.environ.get("JAX_PLATFORMS"):
         # CPU processes exchange over gloo; GPU backends ignore this setting.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**settings)
+    jax.distributed.initialize(**settings, heartbeat_timeout_seconds=heartbeat_timeout)
     return settings
 
 

@@ -6,6 +6,8 @@ The loop that drives it is :mod:`loco_jax.training.loop`; checkpoints are
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,7 @@ class Trainer:
         self.schedule = learning_rate_schedule(cfg)
         self._dataset = None
         self._programs, self.program_bytes = {}, {}
+        self.compiling = contextlib.nullcontext  # entered while a step program compiles (the loop's watchdog pauses)
 
     def _norm_dims(self, full):
         """Replicated layout: the shards FSDP would cut, for a clipping norm summed as FSDP sums it (so the
@@ -154,7 +157,8 @@ class Trainer:
                 ),
                 donate_argnums=(0, 1),
             )
-            compiled = f.lower(state.params, state.opt_state, *batch).compile()
+            with self.compiling():
+                compiled = f.lower(state.params, state.opt_state, *batch).compile()
             report = hlo.collective_bytes(compiled)
             cross = sum(op.total_bytes for op in report.ops if self.m > 1 and op.spans(self.d)) * self.d
             self.program_bytes[str(phase)] = {"per_device": report.total, "cross_replica_per_replica": cross}

@@ -311,7 +311,7 @@ _INSTR_RE = re.compile(r"^%?([^\s=]+)\s*=\s*(.*)$", re.S)
 _OPCODE_RE = re.compile(r"\s*([A-Za-z][\w\-]*)\s*\(")
 
 
-def _parse_instr(text: str) -> _Instr | None:
+def _parse_instr(text: str, every: bool = False) -> _Instr | None:
     s = re.sub(r"/\*.*?\*/", "", text).strip()  # drop /*index=5*/ comments
     is_root = False
     if s.startswith("ROOT "):
@@ -333,7 +333,7 @@ def _parse_instr(text: str) -> _Instr | None:
     if not om:
         return None
     opcode = om.group(1)
-    if not _interesting(opcode):
+    if not every and not _interesting(opcode):
         return None  # skip the (slow) operand/attribute parsing
     open_idx = om.end() - 1
     close_idx = _match_close(rest, open_idx)
@@ -381,7 +381,9 @@ class _Module:
     entry: str | None
 
 
-def _parse_module(text: str) -> _Module:
+def _parse_module(text: str, every_instruction: bool = False) -> _Module:
+    """The module's computations; only the instructions the byte count needs unless ``every_instruction``
+    (a schedule's order needs them all)."""
     name = ""
     replica_count = 1
     num_partitions = 1
@@ -396,7 +398,7 @@ def _parse_module(text: str) -> _Module:
             pending.append(line)
             depth += _depth_change(line)
             if depth <= 0:
-                ins = _parse_instr(" ".join(pending))
+                ins = _parse_instr(" ".join(pending), every_instruction)
                 if ins is not None and current is not None:
                     current.instrs.append(ins)
                 pending, depth = [], 0
@@ -428,7 +430,7 @@ def _parse_module(text: str) -> _Module:
         if d > 0:
             pending, depth = [line], d
             continue
-        ins = _parse_instr(line)
+        ins = _parse_instr(line, every_instruction)
         if ins is not None:
             current.instrs.append(ins)
     if entry is None and comps:

@@ -27,7 +27,9 @@ from loco_jax.training.steps import TrainState, learning_rate_schedule, make_opt
 class Trainer:
     """Builds the mesh, data, programs and state of a config; ``run()`` trains."""
 
-    def __init__(self, cfg: config_lib.Config, workdir: str, log=emit):
+    def __init__(self, cfg: config_lib.Config, workdir: str, log=emit, devices=None):
+        """``devices``: the mesh's devices (default: every visible one; compile-only GPU devices from
+        ``jax.experimental.topologies`` let tools compile for GPUs on a machine without one)."""
         cfg = config_lib.resolve(cfg)  # idempotent on a resolved config; None settings take the library defaults
         self.cfg, self.workdir, self.log = cfg, workdir, log
         if cfg.mesh.local > 1 and (cfg.diloco.enabled or cfg.mesh.fsdp):
@@ -36,7 +38,7 @@ class Trainer:
                 f"with replicated state; this config has diloco.enabled={cfg.diloco.enabled}, "
                 f"mesh.fsdp={cfg.mesh.fsdp}. Set mesh.local=1, or turn those off."
             )
-        self.mesh = mesh_lib.make_mesh(cfg.mesh.replicas, cfg.mesh.data, cfg.mesh.local)
+        self.mesh = mesh_lib.make_mesh(cfg.mesh.replicas, cfg.mesh.data, cfg.mesh.local, devices=devices)
         # d: the devices of one replica (data x local)
         self.m, self.d = self.mesh.shape["replica"], self.mesh.shape["data"] * self.mesh.shape.get("local", 1)
         self.batch_spec = steps.batch_spec(self.mesh)

@@ -1,0 +1,324 @@
+"""The GPU compiler's schedule of a recipe's programs, compiled on a machine with no GPU.
+
+    python benchmarks/gpu_schedule.py --config configs/tiny.py                 # 8 H200s on one host
+    python benchmarks/gpu_schedule.py --config configs/diloco_8b.py --topology 1x2x8 --set mesh.replicas=2
+    python benchmarks/gpu_schedule.py --config configs/tiny.py --json out.json
+
+Needs jax's CUDA plugin without the CUDA libraries (``pip install "jax[cuda12-local]"``): jax then
+describes GPUs from a target description (:mod:`benchmarks.gpu_targets`, an H100 SXM or an H200) and
+compiles for them (``jax.experimental.topologies``); the CPU stays the runtime and nothing runs.
+
+For each distinct step program of one DiLoCo period (data parallel: the one program) it reports, from
+``compiled.as_text()`` (the scheduled GPU HLO, async collectives as ``-start``/``-done`` pairs):
+
+- every collective: kind, whether a group crosses ``replica``, payload dtypes and bytes per device,
+  async or synchronous, how often it runs (while-loop trip counts), and what the schedule puts between
+  its start and its done: gemms, their share of the step's gemm FLOPs (a loop between them counts
+  with all its iterations), other fusions and other collectives;
+- the while loops (name, trip count) and the step's gemm FLOPs;
+- ``compiled.memory_analysis()``: arguments, outputs, aliased and temporary bytes per device;
+- narrow-integer all-reduces (they overflow, and XLA may move them out of loops): flagged.
+
+No kernel autotuning runs without a GPU, so kernel choices may differ from a real device; the
+collectives, their order and the buffer plan are the compiler's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not benchmarks/
+
+from loco_jax import hlo  # noqa: E402
+
+NARROW_INTS = ("s1", "u1", "s2", "u2", "s4", "u4", "s8", "u8", "s16", "u16", "pred")
+GEMM_TARGETS = ("gemm", "matmul")  # custom-call targets: __cublas$gemm, __cublas$lt$matmul, ...
+
+
+@dataclasses.dataclass
+class Collective:
+    """One collective of a program, with what its start/done pair has scheduled between them."""
+
+    name: str
+    kind: str
+    computation: str
+    crosses_replica: bool
+    dtypes: tuple[str, ...]
+    bytes: float  # the result's bytes per device, one run
+    is_async: bool
+    count: int  # runs per step (trip counts of the loops around it)
+    gemms_under: int = 0
+    gemm_flops_under: float = 0.0
+    fusions_under: int = 0
+    collectives_under: tuple[str, ...] = ()
+
+    @property
+    def narrow_int_all_reduce(self) -> bool:
+        return self.kind == "all-reduce" and any(d in NARROW_INTS for d in self.dtypes)
+
+
+@dataclasses.dataclass
+class Schedule:
+    """What :func:`analyze` reads from one program's scheduled HLO."""
+
+    collectives: list[Collective]
+    gemm_flops: float  # one step, every loop iteration counted
+    gemms: int
+    while_loops: list[tuple[str, int | None]]  # (name, trip count) of every loop the step runs
+    memory: dict | None = None
+
+    def cross_replica(self) -> list[Collective]:
+        return [c for c in self.collectives if c.crosses_replica]
+
+    def share_under(self, collective: Collective) -> float:
+        """Fraction of the step's gemm FLOPs scheduled between ``collective``'s start and done."""
+        return collective.gemm_flops_under / self.gemm_flops if self.gemm_flops else 0.0
+
+
+def _prod(dims):
+    return math.prod(dims) if dims else 1
+
+
+def _dims_of(shape: str) -> tuple[int, ...]:
+    return hlo.parse_shape(shape)[1]
+
+
+def _is_sync(ins) -> bool:
+    return '"is_sync":true' in ins.attrs.get("backend_config", "").replace(" ", "")
+
+
+class _Program:
+    def __init__(self, text: str, replicas: int, devices: int):
+        self.module = hlo._parse_module(text, every_instruction=True)
+        self.per_replica = devices // replicas
+        self.replicas = replicas
+        self.shapes = {c: {i.name: i.shape for i in comp.instrs} for c, comp in self.module.comps.items()}
+
+    # ---- FLOPs of gemms (a dot, a fusion around one, a cuBLAS custom call), loops multiplied out
+    def _dot_flops(self, cname, ins) -> float:
+        lhs = _dims_of(self.shapes[cname].get(ins.operands[0], "f32[]"))
+        contracting = hlo._dims(ins.attrs.get("lhs_contracting_dims", "{}").strip("{}"))
+        return 2.0 * _prod(_dims_of(ins.shape)) * _prod([lhs[d] for d in contracting if d < len(lhs)])
+
+    def _custom_gemm_flops(self, cname, ins) -> float:
+        try:
+            numbers = json.loads(ins.attrs.get("backend_config", "{}"))
+            numbers = numbers.get("gemm_backend_config", numbers).get("dot_dimension_numbers", {})
+            contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
+        except (ValueError, AttributeError):
+            contracting = []
+        lhs = _dims_of(self.shapes[cname].get(ins.operands[0], "f32[]"))
+        out = hlo.parse_shapes(ins.shape)[0][1]  # a cuBLAS call returns (result, workspace)
+        return 2.0 * _prod(out) * _prod([lhs[d] for d in contracting if d < len(lhs)])
+
+    @functools.cache
+    def cost(self, cname: str) -> tuple[float, int]:
+        """(gemm FLOPs, gemm count) of one run of computation ``cname``."""
+        flops, gemms = 0.0, 0
+        for ins in self.module.comps[cname].instrs if cname in self.module.comps else ():
+            f, g = self.instr_cost(cname, ins)
+            flops, gemms = flops + f, gemms + g
+        return flops, gemms
+
+    def instr_cost(self, cname, ins) -> tuple[float, int]:
+        op = ins.opcode
+        if op == "dot":
+            return self._dot_flops(cname, ins), 1
+        if op == "custom-call" and any(t in ins.attrs.get("custom_call_target", "").lower() for t in GEMM_TARGETS):
+            return self._custom_gemm_flops(cname, ins), 1
+        callees = hlo._comp_names(ins.attrs.get("calls", "")) if op in ("fusion", "call", "async-start") else []
+        if op == "fusion":
+            flops = sum(self.cost(c)[0] for c in callees)
+            return flops, int(flops > 0)
+        if op in ("call", "async-start"):
+            costs = [self.cost(c) for c in callees]
+            return sum(c[0] for c in costs), sum(c[1] for c in costs)
+        if op == "while":
+            trip = hlo._trip_count(ins.attrs) or 1
+            f, g = self.cost(hlo._comp_names(ins.attrs.get("body", ""))[0])
+            return trip * f, trip * g
+        if op == "conditional":
+            branches = hlo._comp_names(ins.attrs.get("branch_computations", "")) + [
+                c for k in ("true_computation", "false_computation") for c in hlo._comp_names(ins.attrs.get(k, ""))]
+            costs = [self.cost(c) for c in branches]
+            return max(costs, default=(0.0, 0))
+        return 0.0, 0
+
+    # ---- collectives, walked through loops and calls in schedule order
+    def crosses(self, ins, kind) -> bool:
+        if self.replicas == 1:
+            return False
+        if kind == "collective-permute":
+            pairs = [int(x) for x in __import__("re").findall(r"\d+", ins.attrs.get("source_target_pairs", ""))]
+            return any(a // self.per_replica != b // self.per_replica for a, b in zip(pairs[::2], pairs[1::2]))
+        groups = hlo.replica_groups(ins.attrs.get("replica_groups"))
+        if groups is None:
+            return True  # one group of every device
+        return any(len({d // self.per_replica for d in g}) > 1 for g in groups)
+
+    def collectives(self) -> tuple[list[Collective], list[tuple[str, int | None]]]:
+        found, loops = [], []
+        self._walk(self.module.entry, 1, found, loops, ())
+        return found, loops
+
+    def _walk(self, cname, mult, found, loops, stack):
+        comp = self.module.comps.get(cname)
+        if comp is None or cname in stack:
+            return
+        stack += (cname,)
+        instrs = comp.instrs
+        done_at = {}
+        for j, ins in enumerate(instrs):
+            if ins.opcode.endswith("-done") and ins.operands:
+                done_at[ins.operands[0]] = j
+        for i, ins in enumerate(instrs):
+            kind, is_start = hlo._collective_kind(ins.opcode)
+            inner = ins
+            if ins.opcode == "async-start":  # a collective wrapped in an async computation
+                wrapped = [x for c in hlo._comp_names(ins.attrs.get("calls", ""))
+                           for x in self.module.comps.get(c, hlo._Comp(c, False, [])).instrs
+                           if hlo._collective_kind(x.opcode)[0]]
+                if wrapped:
+                    inner, kind, is_start = wrapped[0], hlo._collective_kind(wrapped[0].opcode)[0], True
+            if kind is not None:
+                j = done_at.get(ins.name) if is_start else None
+                result = instrs[j].shape if j is not None else inner.shape
+                shapes = hlo.parse_shapes(result)
+                c = Collective(
+                    name=ins.name, kind=kind, computation=cname, crosses_replica=self.crosses(inner, kind),
+                    dtypes=tuple(sorted({d for d, _ in shapes})), bytes=sum(hlo._nbytes(d, s) for d, s in shapes),
+                    is_async=is_start and j is not None and not _is_sync(ins), count=mult)
+                if j is not None:
+                    between = instrs[i + 1:j]
+                    for b in between:
+                        f, g = self.instr_cost(cname, b)
+                        c.gemm_flops_under += f
+                        c.gemms_under += g
+                        c.fusions_under += b.opcode == "fusion" and g == 0
+                    c.collectives_under = tuple(b.name for b in between if hlo._collective_kind(b.opcode)[0]
+                                                or b.opcode == "async-start")
+                found.append(c)
+            if ins.opcode == "while":
+                trip = hlo._trip_count(ins.attrs)
+                loops.append((ins.name, trip))
+                for body in hlo._comp_names(ins.attrs.get("body", "")):
+                    self._walk(body, mult * (trip or 1), found, loops, stack)
+            elif ins.opcode in ("call", "conditional"):
+                for key in ("to_apply", "calls", "branch_computations", "true_computation", "false_computation"):
+                    for callee in hlo._comp_names(ins.attrs.get(key, "")):
+                        self._walk(callee, mult, found, loops, stack)
+
+
+def analyze(text: str, replicas: int, devices: int, memory=None) -> Schedule:
+    """The schedule of one compiled program's HLO text on ``devices`` devices, ``replicas`` of them on the
+    ``replica`` axis (devices numbered replica-major, as :func:`loco_jax.training.mesh.make_mesh` lays
+    them out)."""
+    program = _Program(text, replicas, devices)
+    collectives, loops = program.collectives()
+    flops, gemms = program.cost(program.module.entry)
+    return Schedule(collectives, flops, gemms, loops, memory)
+
+
+def _memory(compiled) -> dict | None:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+    return {n.replace("_size_in_bytes", ""): int(getattr(stats, n)) for n in names}
+
+
+# --------------------------------------------------------------------------- compiling a recipe for GPUs
+
+
+def gpu_devices(topology: str = "1x1x8", target: str = "h200"):
+    """Compile-only GPU devices: ``topology`` hosts x devices (``1x1x8``: one host of 8; ``1x2x8``: two)."""
+    from jax.experimental import topologies
+
+    from benchmarks import gpu_targets
+
+    desc = topologies.get_topology_desc(platform="cuda", topology=topology,
+                                        target_config=gpu_targets.target_config(target))
+    return list(desc.devices)
+
+
+def compile_recipe(config_path: str, overrides=(), topology: str = "1x1x8", target: str = "h200") -> dict:
+    """{phase: (compiled program, Schedule)} for every distinct step program of one period of a recipe."""
+    from loco_jax.training import config as config_lib
+    from loco_jax.training.trainer import Trainer
+
+    cfg = config_lib.load(config_path, list(overrides) + ["sample_tokens=0"])
+    devices = gpu_devices(topology, target)
+    trainer = Trainer(cfg, workdir=None, log=lambda *_: None, devices=devices)
+    state, batch = trainer.abstract_state(), trainer.abstract_batch()
+    h = cfg.diloco.sync_every
+    steps = range(h + 1, 2 * h + 1) if cfg.diloco.enabled else [1]
+    out = {}
+    for step in steps:
+        phase = trainer.phase(step)
+        if str(phase) in out:
+            continue
+        compiled = trainer.program(phase, state, batch)
+        out[str(phase)] = (compiled, analyze(compiled.as_text(), trainer.m, len(devices), _memory(compiled)))
+    return out
+
+
+def _fmt_bytes(x):
+    return hlo.human_bytes(x)
+
+
+def report(schedules: dict, title: str) -> str:
+    lines = [f"### {title}", ""]
+    for phase, (_, s) in schedules.items():
+        cross = s.cross_replica()
+        mem = s.memory or {}
+        lines += [f"Program `{phase}`: {s.gemms} gemms, {s.gemm_flops / 1e12:.3f} TFLOP per step; while loops: "
+                  + (", ".join(f"{n} ({t})" for n, t in s.while_loops) or "none")
+                  + (f"; memory per device: arguments {_fmt_bytes(mem['argument'])}, temporaries "
+                     f"{_fmt_bytes(mem['temp'])}, outputs {_fmt_bytes(mem['output'])} (aliased "
+                     f"{_fmt_bytes(mem['alias'])})" if mem else ""), "",
+                  "| collective | kind | crosses replica | payload | bytes/device | async | runs | gemms under "
+                  "| share of gemm FLOPs under | fusions under | collectives under |",
+                  "|---|---|---|---|---:|---|---:|---:|---:|---:|---|"]
+        for c in s.collectives:
+            flag = " **narrow-int all-reduce**" if c.narrow_int_all_reduce else ""
+            lines.append(f"| `{c.name}`{flag} | {c.kind} | {'yes' if c.crosses_replica else 'no'} | "
+                         f"{'/'.join(c.dtypes)} | {_fmt_bytes(c.bytes)} | {'async' if c.is_async else 'sync'} | "
+                         f"{c.count} | {c.gemms_under} | {100 * s.share_under(c):.1f} % | {c.fusions_under} | "
+                         f"{len(c.collectives_under)} |")
+        lines += ["", f"Crossing `replica`: {len(cross)} collective(s)"
+                  + (f", {sum(not c.is_async for c in cross)} synchronous" if cross else "") + ".", ""]
+    return "\n".join(lines)
+
+
+def to_json(schedules: dict) -> dict:
+    return {phase: {"gemm_flops": s.gemm_flops, "gemms": s.gemms, "while_loops": s.while_loops, "memory": s.memory,
+                    "collectives": [dict(dataclasses.asdict(c), share_under=s.share_under(c))
+                                    for c in s.collectives]}
+            for phase, (_, s) in schedules.items()}
+
+
+def main(argv=None):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CPU runs; the GPUs are only compiled for
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/tiny.py")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--topology", default="1x1x8", help="hosts x GPUs: 1x1x8 (one host of 8) or 1x2x8 (two)")
+    ap.add_argument("--target", default="h200", choices=("h200", "h100"))
+    ap.add_argument("--json", default=None, help="also write the figures as JSON to this file")
+    args = ap.parse_args(argv)
+    schedules = compile_recipe(args.config, args.overrides, args.topology, args.target)
+    print(report(schedules, f"{args.config} on {args.topology} {args.target.upper()}"
+                 + (f" ({' '.join(args.overrides)})" if args.overrides else "")))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(schedules), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

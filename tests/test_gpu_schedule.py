@@ -1,0 +1,111 @@
+"""The GPU compiler's schedule, read from programs compiled for 8 H200s on this CPU-only machine
+(benchmarks/gpu_schedule.py).
+
+The reader is checked on a small stored program (``tests/data/gpu_h200_2x4_sample.hlo``: the scheduled
+HLO of ``y = tanh(x @ w1) @ w2; psum(y, "data"); all_gather(u8(w2), "replica")`` under ``shard_map`` on
+a 2 x 4 (replica, data) mesh of H200s, x of 128 x 512 rows per device, w1 and w2 of 512 x 512, bf16),
+whose figures follow by hand. The recipe test compiles ``configs/tiny.py`` for GPUs in a subprocess that
+sees jax's CUDA plugin, installed without its CUDA libraries into a cache folder (jax's own package
+index: no GPU needed, nothing else in this environment changes).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from benchmarks import gpu_schedule, gpu_targets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE = os.path.join(ROOT, "tests", "data", "gpu_h200_2x4_sample.hlo")
+GEMM = 2 * 128 * 512 * 512  # one 128 x 512 by 512 x 512 product per device
+
+
+def _sample(edit=lambda text: text):
+    with open(SAMPLE) as f:
+        return gpu_schedule.analyze(edit(f.read()), replicas=2, devices=8)
+
+
+def test_the_sample_program_reads_as_worked_out_by_hand():
+    s = _sample()
+    assert (s.gemms, s.gemm_flops, s.while_loops) == (2, 2 * GEMM, [])
+    by_kind = {c.kind: c for c in s.collectives}
+    assert sorted(by_kind) == ["all-gather", "all-reduce"]
+    gather, reduce = by_kind["all-gather"], by_kind["all-reduce"]
+    # the exchange over replica: u8[2,512,512] gathered, async, the second gemm scheduled under it
+    assert (gather.crosses_replica, gather.dtypes, gather.bytes, gather.is_async) == (True, ("u8",), 2 * 512 * 512, True)
+    assert (gather.gemms_under, gather.gemm_flops_under, s.share_under(gather)) == (1, GEMM, 0.5)
+    # the psum over data: bf16[128,512], inside each replica, marked synchronous by the compiler
+    assert (reduce.crosses_replica, reduce.dtypes, reduce.bytes, reduce.is_async) == (False, ("bf16",), 128 * 512 * 2,
+                                                                                      False)
+    assert reduce.gemms_under == 0 and not reduce.narrow_int_all_reduce
+    assert all(c.count == 1 for c in s.collectives)
+
+
+def test_a_narrow_integer_all_reduce_is_flagged():
+    s = _sample(lambda t: t.replace("%all-reduce-done = bf16[128,512]", "%all-reduce-done = s8[128,512]"))
+    assert [c.kind for c in s.collectives if c.narrow_int_all_reduce] == ["all-reduce"]
+
+
+def test_groups_within_a_replica_do_not_cross_it():
+    one_replica = gpu_schedule.analyze(open(SAMPLE).read(), replicas=1, devices=8)
+    assert not one_replica.cross_replica()
+    four = gpu_schedule.analyze(open(SAMPLE).read(), replicas=4, devices=8)  # groups {0..3}, {4..7} span 2 each
+    assert {c.kind for c in four.cross_replica()} == {"all-gather", "all-reduce"}
+
+
+def test_our_target_descriptions_name_the_hardware():
+    h200, h100 = gpu_targets.target_config("h200"), gpu_targets.target_config("h100")
+    assert "device_memory_size: 151397597184" in h200 and 'name: "NVIDIA H200 141GB HBM3e"' in h200
+    assert "memory_bandwidth: 3352320000000" in h100 and "core_count: 132" in h100
+    with pytest.raises(ValueError, match="gpu='a100' is not described; choose one of"):
+        gpu_targets.target_config("a100")
+
+
+@pytest.fixture(scope="session")
+def cuda_plugin():
+    """A folder holding jax's CUDA plugin (no CUDA libraries), for a subprocess's PYTHONPATH."""
+    version = jax.__version__
+    folder = os.path.join(os.path.expanduser("~"), ".cache", "loco_jax", f"jax_cuda12_plugin-{version}")
+    if not os.path.isdir(os.path.join(folder, "jax_plugins")):
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", folder,
+               f"jax-cuda12-plugin=={version}", f"jax-cuda12-pjrt=={version}"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if result.returncode != 0:
+            if os.environ.get("CI"):
+                raise RuntimeError(f"could not install jax's CUDA plugin: {result.stderr[-2000:]}")
+            pytest.skip(f"jax's CUDA plugin could not be installed here (no package index?): {result.stderr[-300:]}")
+    return folder
+
+
+def test_tiny_recipe_compiled_for_eight_h200s(cuda_plugin, tmp_path):
+    """Every step program of configs/tiny.py (a smaller model, same mesh and schedule) compiled for one host of
+    8 H200s: the exchange crosses replica as uint8 in the send programs only, nothing gradient-sized crosses
+    it in the quiet program, no narrow-integer all-reduce anywhere, and the figures are the tool's JSON."""
+    out = tmp_path / "tiny.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([cuda_plugin, ROOT]))
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_schedule.py"), "--config",
+         os.path.join(ROOT, "configs", "tiny.py"), "--set", "model.d_model=64", "--set", "model.num_layers=2",
+         "--set", "model.d_ff=192", "--json", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "on 1x1x8 H200" in result.stdout
+    programs = json.loads(out.read_text())
+    assert len(programs) == 4  # the quiet step and the send/apply step of each of 3 fragments
+    quiet = programs["Phase(send=None, apply=None)"]
+    for name, p in programs.items():
+        # the same model step; a send program adds the small matmuls of the exchange's Hadamard rotation
+        assert p["gemms"] > 0 and quiet["gemm_flops"] <= p["gemm_flops"] <= 1.01 * quiet["gemm_flops"], name
+        assert p["memory"]["temp"] > 0 and p["memory"]["argument"] > 0
+        assert not any(c["kind"] == "all-reduce" and set(c["dtypes"]) & {"s8", "u8", "s4", "u4", "s16", "u16"}
+                       for c in p["collectives"]), name
+        cross = [c for c in p["collectives"] if c["crosses_replica"]]
+        exchange = [c for c in cross if c["kind"] == "all-gather" and c["dtypes"] == ["u8"]]
+        if name == "Phase(send=None, apply=None)":
+            assert not exchange and all(c["bytes"] <= 64 for c in cross), cross
+        else:
+            assert len(exchange) == 1 and exchange[0]["bytes"] > 1000, cross

@@ -172,13 +172,15 @@ _CHUNKED = 2**24  # values: a leaf this big is reduced one dim-0 slice at a time
 
 
 def reduce_leaf(fn, leaf):
-    """``fn(leaf)`` for a scalar reduction ``fn``, over dim-0 slices for big leaves (combined by ``fn`` again).
+    """``fn(leaf)`` for a scalar reduction ``fn``; on CPU over dim-0 slices for big leaves (combined by ``fn``).
 
-    Some backends (XLA:CPU) materialize a reduction's elementwise input (a full fp32 or bool copy of a
-    gradient-sized leaf); slice by slice only one slice is ever materialized.
+    XLA:CPU materializes a reduction's elementwise input (a full fp32 or bool copy of a gradient-sized
+    leaf); slice by slice only one slice is ever materialized. GPU reductions fuse their input, and there a
+    loop over slices would be thousands of serial kernel launches per step: the choice is made for the
+    platform the program is compiled for (``lax.platform_dependent``), not the one that traces it.
     """
     if leaf.ndim >= 2 and leaf.size > _CHUNKED and leaf.shape[0] > 1:
-        return fn(lax.map(fn, leaf))
+        return lax.platform_dependent(leaf, cpu=lambda x: fn(lax.map(fn, x)), default=fn)
     return fn(leaf)
 
 

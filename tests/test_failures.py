@@ -169,7 +169,8 @@ def _stalling_train(argv):
     from loco_jax.training import trainer as trainer_lib
 
     program, calls = trainer_lib.Trainer.program, iter(range(1, 10**6))
-    sleep = jax.jit(lambda x: io_callback(lambda v: (time.sleep(3600), v)[1], jax.ShapeDtypeStruct((), x.dtype), x))
+    sleep = jax.jit(lambda x: io_callback(lambda v: (time.sleep(3600), v)[1], jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                          x))
 
     def stalling_program(self, phase, state, batch):
         prog = program(self, phase, state, batch)

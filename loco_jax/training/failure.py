@@ -199,7 +199,8 @@ def supervise(command: list[str], guard: Guard) -> int:
     ends with such an abort, this process prints the peer-failure message of :class:`Guard` and returns
     :data:`EXIT_PEER_FAILED`; the runtime's messages go to ``<workdir>/failure-p<i>.log``. SIGTERM is
     passed on (the training process checkpoints and exits 0); the training process dies with this one
-    (:func:`die_with_supervisor`), so killing either ends both, as a dead host would.
+    (:func:`die_with_supervisor`), so killing either ends both, as a dead host would. With ``verbose``
+    the runtime writes straight to stderr and an abort is passed on as it is (status 128 + signal).
     """
     import signal
     import subprocess

@@ -175,7 +175,7 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
     # Reads at the start are fine: the loop below reads the device only at sync steps.
     skipped_seen = trainer.skipped(state)
     offset = _schedule_offset(trainer, state, start) if latest is not None else 0
-    window = _Window(cfg.batch_size * cfg.seq_len)
+    window = _Window(cfg.batch_size * cfg.seq_len, trainer.replica_mean)
     if latest is not None:  # the steps since the last log row, read when the checkpoint was written
         window.carry_unlogged(meta.get("unlogged", []))
     eval_loss, last_saved = None, start
@@ -315,13 +315,15 @@ def _schedule_offset(trainer, state, start):
 class _Window:
     """The per-step outputs (loss, gradient RMS, skip count) since the last sync step, kept on device.
 
-    ``read()`` brings them to the host in one ``jax.device_get``; a log row averages every step since
-    the previous log row (the logged loss is the interval's mean, not one step's). A checkpoint records
-    the steps read but not yet logged (``meta["unlogged"]``), so a resumed run logs the same means.
+    ``read()`` averages each step's per-replica loss and gradient RMS over the replicas on device (the
+    only cross-replica reduction of metrics, at sync steps; ``replica_mean``) and brings them to the host
+    in one ``jax.device_get``; a log row averages every step since the previous log row (the logged loss
+    is the interval's mean, not one step's). A checkpoint records the steps read but not yet logged
+    (``meta["unlogged"]``), so a resumed run logs the same means.
     """
 
-    def __init__(self, tokens_per_step):
-        self.tokens_per_step = tokens_per_step
+    def __init__(self, tokens_per_step, replica_mean=lambda x: x):
+        self.tokens_per_step, self.replica_mean = tokens_per_step, replica_mean
         self.on_device, self.host = [], []  # (step, out) not yet read; read but not yet logged
         self.skipped, self._new = None, []
         self.t_last = time.perf_counter()
@@ -337,7 +339,8 @@ class _Window:
 
     def read(self):
         steps = [s for s, _ in self.on_device]
-        outs = jax.device_get([o for _, o in self.on_device])
+        outs = jax.device_get([dict(o, loss=self.replica_mean(o["loss"]), grad_rms=self.replica_mean(o["grad_rms"]))
+                               for _, o in self.on_device])
         self.on_device = []
         self._new = [(s, int(o["skipped"])) for s, o in zip(steps, outs)]
         self.host += [(s, float(o["loss"]), float(o["grad_rms"])) for s, o in zip(steps, outs)]

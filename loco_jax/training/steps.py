@@ -238,9 +238,15 @@ def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shar
                   for g in jax.tree.leaves(grads))
     n = float(sum(g.size for g in jax.tree.leaves(grads)))  # a Python float: 8B values overflow int32
     grad_rms = jnp.sqrt(grad_sq / n)  # this device's local gradient
+    return params, opt_state, replica_metrics({"loss": loss, "grad_rms": grad_rms})
+
+
+def replica_metrics(values: dict) -> dict:
+    """Each value averaged over this replica's devices, one per replica (shape ``(1,)``, for an output spec
+    ``P("replica")``): a step reduces its metrics inside the replica only, so a quiet step of Streaming
+    DiLoCo sends nothing across replicas; the host averages the replicas' values when it reads them."""
     axes = specs.manual_axes()
-    metrics = {name: lax.pmean(specs.to_varying(v, axes), axes) for name, v in (("loss", loss), ("grad_rms", grad_rms))}
-    return params, opt_state, metrics
+    return {name: lax.pmean(specs.to_varying(v, axes), _data_axes())[None] for name, v in values.items()}
 
 
 def eval_step(mcfg, params, inputs, targets, *, shard_dims=None):

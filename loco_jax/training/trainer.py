@@ -155,7 +155,9 @@ class Trainer:
             f = jax.jit(
                 jax.shard_map(
                     fn, mesh=self.mesh, in_specs=(specs.params, specs.opt_state, self.batch_spec, self.batch_spec),
-                    out_specs=(specs.params, specs.opt_state, P()),
+                    # metrics one per replica (averaged on the host at a sync step); the skip count as is
+                    out_specs=(specs.params, specs.opt_state,
+                               {"loss": P("replica"), "grad_rms": P("replica"), "skipped": P()}),
                 ),
                 donate_argnums=(0, 1),
             )
@@ -166,6 +168,14 @@ class Trainer:
             self.program_bytes[str(phase)] = {"per_device": report.total, "cross_replica_per_replica": cross}
             self._programs[phase] = compiled
         return self._programs[phase]
+
+    def replica_mean(self, per_replica):
+        """The mean over replicas of a step's per-replica metric (shape ``(replicas,)``, split over
+        ``replica``), replicated on every device: a cross-replica reduction the loop runs at sync steps
+        only (every replica takes the same number of sequences, so this is the step's mean)."""
+        if "replica_mean" not in self._programs:
+            self._programs["replica_mean"] = jax.jit(jnp.mean, out_shardings=NamedSharding(self.mesh, P()))
+        return self._programs["replica_mean"](per_replica)
 
     def eval_program(self):
         if "eval" not in self._programs:

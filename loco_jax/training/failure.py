@@ -2,13 +2,15 @@
 
 Two ways a multi-process run stops making progress, and what each does here:
 
-- **A peer process failed.** A collective with a dead peer raises at once on gloo (``Connection closed
-  by peer``); the coordination service notices a process that stopped sending heartbeats after
-  ``--heartbeat-timeout`` seconds. Either report reaches :meth:`Guard.peer_failed`, which prints one
-  message (the process, the latest complete checkpoint, the command that resumes), writes the full error
-  to ``<workdir>/failure-p<i>.log`` and leaves with :data:`EXIT_PEER_FAILED`, without jax.distributed's
-  shutdown barrier (which would wait ``shutdown_timeout`` for the dead peer and then abort with a C++
-  stack trace).
+- **A peer process failed.** A collective with a dead peer raises at once on gloo (``Connection reset
+  by peer``): the loop hands the error to :meth:`Guard.peer_failed`, which prints one message (the
+  process, the latest complete checkpoint, the command that resumes), writes the full error to
+  ``<workdir>/failure-p<i>.log`` and leaves with :data:`EXIT_PEER_FAILED`, without jax.distributed's
+  shutdown barrier (which would wait ``shutdown_timeout`` for the dead peer and then abort). Where no
+  collective raises, the coordination service notices the dead process after ``--heartbeat-timeout``
+  seconds (at once if it was the coordinator's) and jax's runtime aborts every other process with a C++
+  stack trace; :func:`supervise`, the process ``train.py`` keeps above the training one, turns that
+  abort into the same message and status.
 - **A step hangs.** A peer that is alive but never enters a collective (a stuck host, a wedged NCCL
   communicator) blocks every other process and no heartbeat sees it. :class:`StepWatchdog` counts the
   seconds since the last sync step completed (compiling excluded) and, past ``--step-timeout``, prints

@@ -185,16 +185,23 @@ def reduce_leaf(fn, leaf):
 
 
 def _after(leaves, previous):
-    """``leaves``, made to depend on the values of ``previous`` (a real data dependency, which every backend keeps).
+    """``leaves``, made to depend on the values of ``previous`` when compiled for CPU (a real data dependency).
 
     ``lax.optimization_barrier`` does not order work on XLA:CPU (the barrier is expanded away before
-    scheduling), so the buckets' fp32 working copies all came to exist at once. Here one element of
+    scheduling), so the buckets' fp32 working copies all came to exist at once. There one element of
     ``previous`` times zero is added to the first leaf: the same values whenever ``previous`` is finite,
-    and a non-finite ``previous`` makes the step non-finite (skipped) anyway.
+    and a non-finite ``previous`` makes the step non-finite (skipped) anyway. Compiled for another
+    platform the leaves are returned as they are: the chain made every bucket's exchange wait for the
+    previous bucket's decode, so on GPU communication and quantization alternated (synchronous
+    collectives), and GPU buffer assignment does not need the order (``lax.platform_dependent``).
     """
     last = jax.tree.leaves(previous)[-1]
-    dep = (last.reshape(-1)[0] * 0).astype(leaves[0].dtype)
-    return [leaves[0] + dep] + list(leaves[1:])
+
+    def chained(first, last):
+        return first + (last.reshape(-1)[0] * 0).astype(first.dtype)
+
+    first = lax.platform_dependent(leaves[0], last, cpu=chained, default=lambda first, last: first)
+    return [first] + list(leaves[1:])
 
 
 def _all_finite(tree):

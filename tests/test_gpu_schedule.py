@@ -145,3 +145,21 @@ def test_big_leaf_reductions_slice_on_cpu_and_fuse_on_gpu(cuda_plugin):
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "0"
+
+
+def test_loco_buckets_are_not_chained_on_gpu(cuda_plugin, tmp_path):
+    """configs/loco.py (a smaller model) with many LoCo buckets, compiled for 8 H200s: no uint8 collective is
+    synchronous. On CPU each bucket waits for the previous one's decode (tests/test_fsdp.py pins the memory
+    that saves); compiled for GPU that chain made communication and quantization alternate."""
+    out = tmp_path / "loco.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([cuda_plugin, ROOT]))
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_schedule.py"), "--config",
+         os.path.join(ROOT, "configs", "loco.py"), "--set", "model.d_model=64", "--set", "model.num_layers=2",
+         "--set", "model.d_ff=192", "--set", "loco.bucket_size=16384", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (program,) = json.loads(out.read_text()).values()
+    payloads = [c for c in program["collectives"] if c["dtypes"] == ["u8"]]
+    assert len(payloads) >= 2 and not [c["name"] for c in payloads if not c["is_async"]], payloads

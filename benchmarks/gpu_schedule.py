@@ -31,6 +31,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not benchmarks/
@@ -155,7 +156,7 @@ class _Program:
         if self.replicas == 1:
             return False
         if kind == "collective-permute":
-            pairs = [int(x) for x in __import__("re").findall(r"\d+", ins.attrs.get("source_target_pairs", ""))]
+            pairs = [int(x) for x in re.findall(r"\d+", ins.attrs.get("source_target_pairs", ""))]
             return any(a // self.per_replica != b // self.per_replica for a, b in zip(pairs[::2], pairs[1::2]))
         groups = hlo.replica_groups(ins.attrs.get("replica_groups"))
         if groups is None:
@@ -268,10 +269,6 @@ def compile_recipe(config_path: str, overrides=(), topology: str = "1x1x8", targ
     return out
 
 
-def _fmt_bytes(x):
-    return hlo.human_bytes(x)
-
-
 def report(schedules: dict, title: str) -> str:
     lines = [f"### {title}", ""]
     for phase, (_, s) in schedules.items():
@@ -279,16 +276,16 @@ def report(schedules: dict, title: str) -> str:
         mem = s.memory or {}
         lines += [f"Program `{phase}`: {s.gemms} gemms, {s.gemm_flops / 1e12:.3f} TFLOP per step; while loops: "
                   + (", ".join(f"{n} ({t})" for n, t in s.while_loops) or "none")
-                  + (f"; memory per device: arguments {_fmt_bytes(mem['argument'])}, temporaries "
-                     f"{_fmt_bytes(mem['temp'])}, outputs {_fmt_bytes(mem['output'])} (aliased "
-                     f"{_fmt_bytes(mem['alias'])})" if mem else ""), "",
+                  + (f"; memory per device: arguments {hlo.human_bytes(mem['argument'])}, temporaries "
+                     f"{hlo.human_bytes(mem['temp'])}, outputs {hlo.human_bytes(mem['output'])} (aliased "
+                     f"{hlo.human_bytes(mem['alias'])})" if mem else ""), "",
                   "| collective | kind | crosses replica | payload | bytes/device | async | runs | gemms under "
                   "| share of gemm FLOPs under | fusions under | collectives under |",
                   "|---|---|---|---|---:|---|---:|---:|---:|---:|---|"]
         for c in s.collectives:
             flag = " **narrow-int all-reduce**" if c.narrow_int_all_reduce else ""
             lines.append(f"| `{c.name}`{flag} | {c.kind} | {'yes' if c.crosses_replica else 'no'} | "
-                         f"{'/'.join(c.dtypes)} | {_fmt_bytes(c.bytes)} | {'async' if c.is_async else 'sync'} | "
+                         f"{'/'.join(c.dtypes)} | {hlo.human_bytes(c.bytes)} | {'async' if c.is_async else 'sync'} | "
                          f"{c.count} | {c.gemms_under} | {100 * s.share_under(c):.1f} % | {c.fusions_under} | "
                          f"{len(c.collectives_under)} |")
         lines += ["", f"Crossing `replica`: {len(cross)} collective(s)"

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from loco_jax.training import failure
+from loco_jax.training import checkpoints, failure
 from tests.test_trainer import _env, _free_port, _train_cmd, small_config, text_file, write_config_file  # noqa: F401
 
 STALL_AT = 7  # the step whose outputs the stalling train.py below never delivers (a quiet step: 7 % 2 != 0)
@@ -66,7 +66,7 @@ def test_a_dead_peer_ends_the_survivor_with_one_message_and_rerunning_both_resum
     dead.wait(timeout=30)
     assert survivor.returncode == failure.EXIT_PEER_FAILED, out[-3000:]
     assert elapsed < heartbeat + 20, f"{elapsed:.1f} s to notice the dead peer"
-    latest = max(failure.complete_checkpoints(workdir))
+    latest = max(checkpoints.complete_checkpoint_steps(workdir))
     assert latest in (10, 20), latest
     assert re.search(rf"^process {alive}: a peer process failed, stopping", out, re.M), out[-3000:]
     assert f"the latest complete checkpoint is at step {latest}; to resume, rerun on every process: python " in out
@@ -107,7 +107,7 @@ def test_a_stalled_step_is_caught_by_the_watchdog_and_a_rerun_resumes(text_file,
     assert "main thread stack (most recent call last):" in stalled.stderr
     assert re.search(r'File ".*loop\.py", line \d+, in _train_and_evaluate', stalled.stderr), stalled.stderr[-3000:]
     assert "the latest complete checkpoint is at step 4; to resume, rerun:" in stalled.stderr
-    assert failure.complete_checkpoints(workdir) == [4]
+    assert checkpoints.complete_checkpoint_steps(workdir) == [4]
     assert not [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if not n.isdigit()], "a half checkpoint"
 
     rerun = subprocess.run(_train_cmd(config_path, workdir), env=_env(), capture_output=True, text=True, timeout=600)

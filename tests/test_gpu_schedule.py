@@ -81,20 +81,29 @@ def cuda_plugin():
     return folder
 
 
+def _plugin_env(cuda_plugin):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([cuda_plugin, ROOT]))
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _schedule(cuda_plugin, tmp_path, config, *sets):
+    """(stdout, JSON figures) of benchmarks/gpu_schedule.py on ``configs/<config>`` with a smaller model."""
+    out = tmp_path / "schedule.json"
+    model = ("model.d_model=64", "model.num_layers=2", "model.d_ff=192")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_schedule.py"), "--config",
+           os.path.join(ROOT, "configs", config), *[a for kv in model + sets for a in ("--set", kv)], "--json", str(out)]
+    result = subprocess.run(cmd, env=_plugin_env(cuda_plugin), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout, json.loads(out.read_text())
+
+
 def test_tiny_recipe_compiled_for_eight_h200s(cuda_plugin, tmp_path):
     """Every step program of configs/tiny.py (a smaller model, same mesh and schedule) compiled for one host of
     8 H200s: the exchange crosses replica as uint8 in the send programs only, nothing gradient-sized crosses
     it in the quiet program, no narrow-integer all-reduce anywhere, and the figures are the tool's JSON."""
-    out = tmp_path / "tiny.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([cuda_plugin, ROOT]))
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_schedule.py"), "--config",
-         os.path.join(ROOT, "configs", "tiny.py"), "--set", "model.d_model=64", "--set", "model.num_layers=2",
-         "--set", "model.d_ff=192", "--json", str(out)], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "on 1x1x8 H200" in result.stdout
-    programs = json.loads(out.read_text())
+    stdout, programs = _schedule(cuda_plugin, tmp_path, "tiny.py")
+    assert "on 1x1x8 H200" in stdout
     assert len(programs) == 4  # the quiet step and the send/apply step of each of 3 fragments
     quiet = programs["Phase(send=None, apply=None)"]
     for name, p in programs.items():
@@ -140,9 +149,8 @@ def test_big_leaf_reductions_slice_on_cpu_and_fuse_on_gpu(cuda_plugin):
     f = jax.jit(lambda a: loco.reduce_leaf(fn, a))
     assert f.lower(x).compile().as_text().count(" while(") == 1
     assert float(f(x)) == float(jax.jit(lambda a: fn(lax.map(fn, a)))(x))  # the CPU path as it was
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([cuda_plugin, ROOT]))
-    result = subprocess.run([sys.executable, "-c", _REDUCE_BIG_LEAF], env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, "-c", _REDUCE_BIG_LEAF], env=_plugin_env(cuda_plugin), capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "0"
 
@@ -151,15 +159,7 @@ def test_loco_buckets_are_not_chained_on_gpu(cuda_plugin, tmp_path):
     """configs/loco.py (a smaller model) with many LoCo buckets, compiled for 8 H200s: no uint8 collective is
     synchronous. On CPU each bucket waits for the previous one's decode (tests/test_fsdp.py pins the memory
     that saves); compiled for GPU that chain made communication and quantization alternate."""
-    out = tmp_path / "loco.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([cuda_plugin, ROOT]))
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_schedule.py"), "--config",
-         os.path.join(ROOT, "configs", "loco.py"), "--set", "model.d_model=64", "--set", "model.num_layers=2",
-         "--set", "model.d_ff=192", "--set", "loco.bucket_size=16384", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (program,) = json.loads(out.read_text()).values()
+    _, programs = _schedule(cuda_plugin, tmp_path, "loco.py", "loco.bucket_size=16384")
+    (program,) = programs.values()
     payloads = [c for c in program["collectives"] if c["dtypes"] == ["u8"]]
     assert len(payloads) >= 2 and not [c["name"] for c in payloads if not c["is_async"]], payloads

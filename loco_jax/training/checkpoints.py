@@ -74,6 +74,17 @@ def _save_replicated_arrays_whole_on_cpu():
             absl_log.setLevel(level)
 
 
+def complete_checkpoint_steps(workdir) -> list[int]:
+    """Steps of the complete checkpoints on disk, oldest first, read without orbax (nothing is created).
+
+    Orbax writes into a temporary folder and renames it to the bare step number when the checkpoint is
+    complete, so a folder named by an int is a finished one.
+    """
+    folder = os.path.join(workdir, "checkpoints")
+    names = os.listdir(folder) if os.path.isdir(folder) else ()
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(folder, n)))
+
+
 def checkpoint_manager(workdir, keep):
     import orbax.checkpoint as ocp
 

@@ -33,6 +33,8 @@ import threading
 import time
 import traceback
 
+from loco_jax.training.checkpoints import complete_checkpoint_steps
+
 EXIT_PEER_FAILED = 75  # EX_TEMPFAIL: a retry (the same command, once every process is back) resumes
 EXIT_STEP_TIMEOUT = 124  # timeout(1)'s status: no sync step completed within --step-timeout
 
@@ -63,13 +65,6 @@ def resume_command() -> str:
     return shlex.join(["python", *argv])
 
 
-def complete_checkpoints(workdir: str) -> list[int]:
-    """Steps of the complete checkpoints on disk (orbax renames a folder to its bare step once complete)."""
-    folder = os.path.join(workdir, "checkpoints")
-    names = os.listdir(folder) if os.path.isdir(folder) else ()
-    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(folder, n)))
-
-
 class Guard:
     """The run's way down: one message on stderr, the details in ``<workdir>/failure-p<i>.log``, ``os._exit``.
 
@@ -98,7 +93,7 @@ class Guard:
         if log_path:
             with contextlib.suppress(OSError), open(log_path, "a") as f:
                 f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {headline}\n{detail}\n")
-        steps = complete_checkpoints(self.workdir) if self.workdir else []
+        steps = complete_checkpoint_steps(self.workdir) if self.workdir else []
         where = (f"the latest complete checkpoint is at step {steps[-1]}" if steps
                  else "there is no complete checkpoint yet (a rerun starts from step 0)")
         every = " on every process" if self.process_count > 1 else ""

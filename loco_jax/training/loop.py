@@ -37,7 +37,7 @@ from loco_jax.training import failure
 from loco_jax.training import mesh as mesh_lib
 from loco_jax.training import model as model_lib
 from loco_jax.training.checkpoints import (
-    check_resume_config, checkpoint_manager, restore_step, save, saved_config,
+    check_resume_config, checkpoint_manager, complete_checkpoint_steps, restore_step, save, saved_config,
 )
 from loco_jax.training.sample import print_samples
 from loco_jax.training.metrics import (
@@ -74,15 +74,12 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=emit, stop_afte
     os.makedirs(workdir, exist_ok=True)
     guard = failure.Guard(workdir, jax.process_index(), jax.process_count(), verbose=verbose)
     with workdir_lock(workdir):
-        watchdog = failure.StepWatchdog(step_timeout, guard) if step_timeout else None
+        watchdog = failure.StepWatchdog(step_timeout, guard) if step_timeout else None  # started by the loop
         try:
             return _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard)
         except Exception as e:
             _stop_if_a_peer_failed(guard, e)
             raise
-        finally:
-            if watchdog:
-                watchdog.stop()
 
 
 def _stop_if_a_peer_failed(guard, error):
@@ -138,10 +135,10 @@ def workdir_lock(workdir):
 def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
     saved = saved_config(workdir)
     cfg = config_lib.resolve(cfg, saved)  # None settings: the run's own, else the library's
-    latest = _latest_checkpoint(workdir, cfg.keep_checkpoints)
-    if latest is not None and latest >= cfg.steps:
+    done = complete_checkpoint_steps(workdir)  # read from disk: a fresh workdir stays untouched
+    if done and done[-1] >= cfg.steps:
         check_resume_config(workdir, cfg, saved, log=lambda *_: None)  # a changed model is still refused
-        return _already_finished(cfg, workdir, latest, log)
+        return _already_finished(cfg, workdir, done[-1], log)
     check_resume_config(workdir, cfg, saved, log)
     trainer = Trainer(cfg, workdir, log)
     trainer.dataset  # load (or download) the data before anything compiles
@@ -154,6 +151,7 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
 
     manager = checkpoint_manager(workdir, cfg.keep_checkpoints)
     start, data_state, bytes_so_far = 0, None, 0.0
+    latest = manager.latest_step()
     if latest is None:
         state = trainer.init_state()
     else:
@@ -278,17 +276,6 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
     if cfg.sample_tokens and not stop.requested:  # every process: a sharded leaf is gathered together
         print_samples(trainer, state, log, step=last_saved, length=cfg.sample_tokens)
     return {"last_step": last_saved, "eval_loss": eval_loss, "stopped": stop.requested, "state": state}
-
-
-def _latest_checkpoint(workdir, keep):
-    """The latest complete checkpoint's step, or None; a fresh workdir is left untouched (no folder made)."""
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        return None
-    manager = checkpoint_manager(workdir, keep)
-    try:
-        return manager.latest_step()
-    finally:
-        manager.close()
 
 
 def _already_finished(cfg, workdir, latest, log):

@@ -280,12 +280,13 @@ def latest_checkpoint_step(workdir: str) -> int:
     """The newest finished checkpoint step on disk (``checkpoints/<int>/``), read without orbax or jax
     devices, so ``train.py --sample`` can fail early; raises ``FileNotFoundError`` naming what is missing.
 
-    Orbax writes into a temporary folder and renames it to the bare step number when the checkpoint
-    is complete, so a folder named by an int is a finished one; :func:`restore_latest` asks orbax again.
+    A folder named by an int is a finished one (:func:`~loco_jax.training.checkpoints.complete_checkpoint_steps`);
+    :func:`restore_latest` asks orbax again.
     """
+    from loco_jax.training.checkpoints import complete_checkpoint_steps
+
     folder = os.path.join(workdir, "checkpoints")
-    steps = sorted(int(name) for name in (os.listdir(folder) if os.path.isdir(folder) else ())
-                   if name.isdigit() and os.path.isdir(os.path.join(folder, name)))
+    steps = complete_checkpoint_steps(workdir)
     if not steps:
         raise FileNotFoundError(
             f"no checkpoint in {folder}: --sample needs a trained run; train first with "

@@ -59,18 +59,26 @@ Two ways to run it:
   inside control flow, which blocks XLA's latency-hiding scheduler: use it
   where overlap does not matter.
 
-Non-finite values: one finite flag over the step's gradients and the
-exchanged outer gradient, reduced over every mesh axis; when false the step
-is skipped on every device: updates zero, nothing applied, ``skipped``
-incremented. The schedule is a clock: ``step`` advances on a skipped step
-too, so the phase of step ``t`` is always ``phase(t)`` and a training loop
-can pick it from its own step count without reading the device. A fragment
-whose exchange falls on a skipped step sits out that round: with
-``overlap >= 1`` the in-flight slot is marked empty (NaN) and the scheduled
-apply leaves that fragment's global parameters, outer state and local
-parameters as they are (the rest of that step runs normally); a skipped apply
-step drops the mean it would have applied. The fragment syncs again ``H``
-steps later.
+Non-finite values: replicas decide alone between syncs, and together at
+the exchange. The inner step is traced under
+:func:`loco_jax.specs.independent_of` the replica axis, so its finite flag
+(over the step's gradients and inner updates, and any flag the inner
+optimizer takes, e.g. :func:`loco_jax.loco.compress`'s) is reduced over one
+replica's devices only: a replica with a NaN or Inf skips its own inner step
+(its local parameters and inner state unchanged, its ``skipped`` count up by
+one) and the others go on; nothing crosses ``replica`` for it. The outer side
+decides from the exchanged mean itself: every replica decodes the same
+payloads, and a non-finite outer gradient on any replica makes its blocks of
+the mean non-finite (a NaN or Inf scale decodes to NaN), so a flag over one
+replica's slices of the mean is the same on every replica with no extra
+collective. A non-finite mean drops that fragment's round: ``dropped`` counts
+it, the error buffers keep their values, the in-flight slot is marked empty
+(NaN) with ``overlap >= 2``, and the apply leaves the fragment's global
+parameters, outer state and local parameters as they are (the rest of the
+step runs normally). The fragment syncs again ``H`` steps later. The schedule
+is a clock: ``step`` advances on every step, skipped or not, so the phase of
+step ``t`` is always ``phase(t)`` and a training loop picks it from its own
+step count without reading the device.
 
 State layout (:func:`state_specs`): the inner state and the local
 parameters differ per replica, global parameters and outer states are
@@ -113,14 +121,15 @@ class Phase(NamedTuple):
 
 
 class DiLoCoState(NamedTuple):
-    inner: Any  # inner optimizer state (per replica)
+    inner: Any  # inner optimizer state, per replica (its scalars stored as shape (1,): [M] in the global view)
     global_params: Any  # theta_global, identical on every device
     outer: tuple  # one outer optimizer state per fragment
-    step: jax.Array  # int32 []: completed inner steps
-    skipped: jax.Array  # int32 []: steps skipped for non-finite values
+    step: jax.Array  # int32 []: completed inner steps (skipped ones too: the schedule's clock)
+    skipped: jax.Array  # int32 [1] per replica ([M] in the global view): this replica's skipped inner steps
     inflight: jax.Array  # f32 [k_max]: reduced outer-gradient slice waiting to be applied ([1] placeholder when overlap < 2)
     error: tuple = ()  # per fragment: stored outer-gradient error of this device's slice (compensate=True)
     error_scale: tuple = ()
+    dropped: jax.Array | None = None  # int32 []: rounds dropped for a non-finite exchanged mean
 
 
 def schedule_offsets(sync_every, num_fragments):
@@ -335,7 +344,9 @@ def diloco(
             ]
             error, error_scale = tuple(s[0] for s in stored), tuple(s[1] for s in stored)
         zero = jnp.zeros((), jnp.int32)
-        return DiLoCoState(inner.init(params), global_params, outer_states, zero, zero, inflight, error, error_scale)
+        skipped = coll.to_varying(jnp.zeros((1,), jnp.int32), (axis_name,))  # one count per replica
+        return DiLoCoState(_per_replica(inner.init(params)), global_params, outer_states, zero, skipped, inflight,
+                           error, error_scale, zero)
 
     # -------------------------------------------------------------- exchange
 
@@ -371,15 +382,34 @@ def diloco(
 
     # ---------------------------------------------------------------- update
 
+    def _replica_finite(tree):
+        """All of ``tree`` finite on every device of this replica (no collective over ``axis_name``)."""
+        return global_all_finite(tree, tuple(a for a in coll.manual_axes() if a != axis_name))
+
+    def _per_replica(inner_state):
+        """The inner state as stored: each leaf varying over the replica axis, a scalar as shape ``(1,)``
+        (a replica that skips a step keeps its own counts, and a scalar has no dim 0 to split over replicas)."""
+        return jax.tree.map(lambda x: coll.to_varying(x.reshape((1,) if x.ndim == 0 else x.shape), (axis_name,)),
+                            inner_state)
+
+    def _inner_step(grads, state, params, extra):
+        """This replica's inner step, or none where its gradients or updates are non-finite."""
+        own = jax.eval_shape(inner.init, params)  # the inner state's own shapes (scalars are stored as (1,))
+        inner_in = jax.tree.map(lambda x, a: x.reshape(a.shape), state.inner, own)
+        with specs.independent_of(axis_name):
+            updates, new_inner = inner.update(grads, inner_in, params, **extra)
+        ok = _replica_finite((grads, updates))
+        updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+        return optax.apply_updates(params, updates), _select(ok, _per_replica(new_inner), state.inner), ok
+
     def _step(ph: Phase, grads, state, params, extra):
         plan = plan_of(params)
         d, m = data_size(), coll.axis_size(axis_name)
         sizes = plan.fragment_sizes()
-        inner_updates, inner_state = inner.update(grads, state.inner, params, **extra)
-        local = optax.apply_updates(params, inner_updates)
+        local, inner_state, inner_ok = _inner_step(grads, state, params, extra)
         global_params, outer_states = state.global_params, list(state.outer)
         inflight, error, error_scale = state.inflight, list(state.error), list(state.error_scale)
-        exchanged = []  # values whose finiteness decides the step
+        dropped = state.dropped
 
         mean_now = None
         if ph.send is not None:
@@ -388,13 +418,15 @@ def diloco(
             snapshot = local if overlap == 0 else params  # params of step t+1 are theta(t)
             delta = plan.extract(global_params, p) - plan.extract(snapshot, p)
             mean_slice, stored = _exchange(_my_slice(delta, k, d), p, state)
-            exchanged.append(mean_slice)
-            if stored is not None:
-                error[p], error_scale[p] = stored
+            # the same on every replica: they all decoded the same payloads
+            sent_ok = _replica_finite(mean_slice)
+            dropped = dropped + (~sent_ok).astype(jnp.int32)
+            if stored is not None:  # a dropped round was not delivered: its error is not fed back
+                error[p], error_scale[p] = _select(sent_ok, stored, (error[p], error_scale[p]))
             if ph.apply == p:
                 mean_now = mean_slice
-            else:
-                inflight = jnp.pad(mean_slice, (0, inflight.shape[0] - k))
+            else:  # a dropped round leaves the slot empty (NaN): its apply step leaves the fragment out
+                inflight = jnp.where(sent_ok, jnp.pad(mean_slice, (0, inflight.shape[0] - k)), jnp.nan)
 
         if ph.apply is not None:
             p = ph.apply
@@ -408,25 +440,19 @@ def diloco(
             merged_flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in merged])
             local_flat = plan.extract(local, p)
             mixed = alpha * local_flat + (1.0 - alpha) * merged_flat
-            if mean_now is None:  # from the in-flight slot: empty (NaN) when its send step was skipped
-                full = global_all_finite(mean_slice)
-                merged_flat = jnp.where(full, merged_flat, plan.extract(global_params, p))
-                mixed = jnp.where(full, mixed, local_flat)
-                new_outer = jax.tree.map(lambda n, o: jnp.where(full, n, o), new_outer, outer_states[p])
-            outer_states[p] = new_outer
+            # a dropped round (now, or at its send step): the fragment keeps its values
+            full = _replica_finite(mean_slice)
+            merged_flat = jnp.where(full, merged_flat, plan.extract(global_params, p))
+            mixed = jnp.where(full, mixed, local_flat)
+            outer_states[p] = _select(full, new_outer, outer_states[p])
             global_params = plan.insert(global_params, p, merged_flat)
             local = plan.insert(local, p, mixed)
 
-        ok = global_all_finite((grads, exchanged))
-        updates = jax.tree.map(lambda new, old: jnp.where(ok, new - old, jnp.zeros_like(old)), local, params)
-        candidate = DiLoCoState(
-            inner_state, global_params, tuple(outer_states), state.step + 1, state.skipped,
-            inflight, tuple(error), tuple(error_scale),
+        updates = jax.tree.map(lambda new, old: new - old, local, params)
+        return updates, DiLoCoState(
+            inner_state, global_params, tuple(outer_states), state.step + 1,
+            state.skipped + (~inner_ok).astype(jnp.int32), inflight, tuple(error), tuple(error_scale), dropped,
         )
-        new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), candidate, state)
-        if ph.send is not None and ph.apply != ph.send:  # a skipped send leaves the in-flight slot empty
-            new_state = new_state._replace(inflight=jnp.where(ok, inflight, jnp.full_like(inflight, jnp.nan)))
-        return updates, new_state._replace(step=state.step + 1, skipped=state.skipped + (~ok).astype(jnp.int32))
 
     def update_fn(grads, state, params=None, phase=None, **extra):
         if params is None:
@@ -490,6 +516,10 @@ def diloco(
     tx = DiLoCo(init_fn, update_fn)
     tx.phase, tx.phases, tx.plan, tx.relayout_inflight = _phase, all_phases, plan_of, relayout_inflight
     return tx
+
+
+def _select(ok, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def _split(flat, like):

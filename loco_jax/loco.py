@@ -40,8 +40,9 @@ every width.
 
 Non-finite gradients (ALGORITHMS.md): a NaN or Inf on any device must not
 reach the error buffers and every device must decide alike, so one finite
-flag is reduced over every mesh axis (a scalar ``pmin``). When it is false the
-step is skipped everywhere: the state is unchanged except ``skipped``, which
+flag is reduced over every mesh axis (a scalar ``pmin``; inside
+:func:`loco_jax.diloco.diloco`, over the devices of one replica, which decides
+alone). When it is false the step is skipped on all of them: the state is unchanged except ``skipped``, which
 counts such steps, and the updates are zeros (``nonfinite="skip"``) or NaN
 (``nonfinite="propagate"``, to let a caller or ``optax.apply_if_finite``
 act). To skip the *whole* chain (no Adam moment decay on a skipped step),
@@ -212,14 +213,15 @@ def _all_finite(tree):
     return flag
 
 
-def global_all_finite(tree):
-    """One boolean, identical on every device: all of ``tree`` is finite on all devices.
+def global_all_finite(tree, axes=None):
+    """One boolean, identical on every device of ``axes``: all of ``tree`` is finite on all of them.
 
-    Reduced with a scalar ``pmin`` over every axis of the enclosing
-    ``shard_map`` (no collective outside one).
+    Reduced with a scalar ``pmin`` over ``axes``; None: every axis of the enclosing ``shard_map`` but
+    those a caller traces as independent (:func:`loco_jax.specs.independent_of`: DiLoCo's ``replica``
+    axis, so each replica decides alone). No collective outside ``shard_map``.
     """
     flag = _all_finite(tree).astype(jnp.int32)
-    axes = coll.manual_axes()
+    axes = specs.decision_axes() if axes is None else axes
     if axes:
         flag = lax.pmin(coll.to_varying(flag, axes), axes)
     return flag.astype(bool)
@@ -574,7 +576,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     """Skips the whole ``inner`` step on every device when any gradient anywhere is non-finite.
 
     Like ``optax.apply_if_finite``, but the decision is one flag reduced over
-    every mesh axis, so all devices skip together. On a skipped step the
+    every mesh axis (:func:`global_all_finite`), so all devices skip together. On a skipped step the
     updates are zeros and ``inner``'s state is unchanged; ``skipped`` counts.
     """
 

@@ -24,6 +24,7 @@ import pytest
 from jax._src.array import ArrayImpl
 
 from loco_jax import trainer
+from loco_jax.training import config as config_lib
 from loco_jax.training import loop
 from loco_jax.training.trainer import Trainer
 from tests.test_trainer import quiet, small_config, text_file  # noqa: F401
@@ -136,8 +137,9 @@ def test_a_resumed_row_averages_the_carried_steps_but_times_only_the_new_ones(mo
     window.add(9, {"loss": jax.numpy.float32(1.0), "grad_rms": jax.numpy.float32(0.5),
                    "skipped": jax.numpy.int32(0)})
     window.read()
-    window.new_skips(0)
-    row = window.log_row(9, type("T", (), {"schedule": staticmethod(lambda s: 0.1)})(), 0)
+    assert window.new_faults(window.counts, phase_of=None) == []
+    trainer_like = type("T", (), {"schedule": staticmethod(lambda s: 0.1), "cfg": config_lib.Config()})()
+    row = window.log_row(9, trainer_like, 0)
     assert row["loss"] == 3.0 and row["grad_rms"] == 0.5
     assert row["tokens_per_s"] == 64 * 1 / 2.0  # one new step in 2 s, not three
     assert window.carried == 0 and window.host == []

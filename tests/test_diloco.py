@@ -388,19 +388,34 @@ def test_compensation_error_buffers_per_fragment(mesh):
     assert not np.array_equal(errors[-1][0], initial[0])
 
 
-def test_nonfinite_gradient_skips_the_step_everywhere(mesh):
-    tx = diloco.diloco(inner_adamw(), sync_every=2, overlap=0, bits=4, compensate=True)
-    run = Run(mesh, tx)
-    xs, ys = make_data(2)
-    run.step(1, xs[0], ys[0])
-    before_params, before_state = jax.tree.map(np.asarray, run.params), jax.tree.map(np.asarray, run.state)
+def test_a_nonfinite_gradient_skips_only_its_replicas_step_and_sends_nothing_across_replicas(mesh):
+    """Replicas decide alone between syncs: the replica with a NaN keeps its parameters and inner state, the
+    other one steps exactly as in a clean run, and the quiet step's program has no collective over replica."""
+    make = lambda: diloco.diloco(inner_adamw(), sync_every=4, overlap=0, bits=4, compensate=True)
+    run, clean = Run(mesh, make()), Run(mesh, make())
+    xs, ys = make_data(4)
+    for r in (run, clean):
+        r.step(1, xs[0], ys[0])
+    host = lambda tree: jax.tree.map(np.asarray, tree)
+    before_params, before_state = host(run.params), host(run.state)
     x = xs[1].copy()
     x[5 * BATCH, 0] = np.nan  # one data device of replica 1
     run.step(2, x, ys[1])
-    after = jax.tree.map(np.asarray, run.state)
-    chex.assert_trees_all_equal(jax.tree.map(np.asarray, run.params), before_params)
-    assert int(after.skipped) == 1 and int(after.step) == 2  # the schedule is a clock: a skipped step counts
-    chex.assert_trees_all_equal(after._replace(skipped=before_state.skipped, step=before_state.step), before_state)
+    clean.step(2, xs[1], ys[1])
+    after = host(run.state)
+    assert after.skipped.tolist() == [0, 1] and int(after.step) == 2 and int(after.dropped) == 0
+    for replica, reference in ((0, (host(clean.params), host(clean.state.inner))), (1, (before_params, before_state.inner))):
+        chex.assert_trees_all_equal(local((host(run.params), after.inner), replica), local(reference, replica))
+    chex.assert_trees_all_equal(after.global_params, before_state.global_params)
+    quiet = run.program(run.tx.phase(2)).lower(run.params, run.state, *[put(mesh, a, P(DEVICES)) for a in (x, ys[1])])
+    ops = hlo.collective_bytes(quiet.compile()).ops
+    assert ops and not [op for op in ops if op.spans(D)], [op.groups for op in ops]
+    for t in (3, 4):  # step 4 syncs: the replica that skipped a step takes part as usual
+        run.step(t, xs[t - 1], ys[t - 1])
+    assert int(run.state.step) == 4 and int(run.state.dropped) == 0
+    assert not np.array_equal(host(run.state.global_params)["head"]["kernel"], before_state.global_params["head"]["kernel"])
+    for leaf in jax.tree.leaves(host((run.params, run.state.global_params, run.state.inner))):
+        assert np.all(np.isfinite(leaf))
 
 
 @pytest.mark.parametrize(
@@ -434,33 +449,49 @@ def test_bad_labels_and_unbound_axis_raise(mesh):
         diloco.state_specs(tx, put(mesh, replicate(params), P("replica")), mesh)
 
 
-def test_skipped_send_step_with_overlap2_leaves_that_fragment_out_of_the_round(mesh):
-    """The phase of step t is phase(t), skipped steps included; a fragment whose send was skipped sits out."""
-    make = lambda: diloco.diloco(inner_adamw(), sync_every=9, num_fragments=3, overlap=2, alpha=0.5, bits=4)
-    skipped, clean = Run(mesh, make()), Run(mesh, make())
+def _nan_outer_gradient_on_replica_0(all_gather_sum):
+    """``collectives.all_gather_sum`` whose operand is NaN on replica 0: that replica's outer gradient, in flight."""
+    def poisoned(x, axis_name, *args, **kwargs):
+        return all_gather_sum(jnp.where(lax.axis_index("replica") == 0, jnp.nan, x), axis_name, *args, **kwargs)
+    return poisoned
+
+
+def test_a_nonfinite_exchange_drops_that_fragments_round_on_every_replica(mesh, monkeypatch):
+    """The phase of step t is phase(t); a fragment whose exchanged mean is non-finite sits out its round on
+    every replica (the mean itself carries the NaN to all of them), and the inner steps go on."""
+    make = lambda: diloco.diloco(inner_adamw(), sync_every=9, num_fragments=3, overlap=2, alpha=0.5, bits=4,
+                                 compensate=True)
+    dropped, clean = Run(mesh, make()), Run(mesh, make())
     xs, ys = make_data(22)
     bad = 13  # fragment 1 (offset 3) is due after step 12: step 13 sends it, step 14 applies it
-    assert skipped.tx.phase(bad) == diloco.Phase(1, None) and skipped.tx.phase(14) == diloco.Phase(None, 1)
+    assert dropped.tx.phase(bad) == diloco.Phase(1, None) and dropped.tx.phase(14) == diloco.Phase(None, 1)
     host = lambda tree: jax.tree.map(np.asarray, tree)
     for t in range(1, 23):
-        x = xs[t - 1].copy()
         if t == bad:
-            x[3, 0] = np.nan  # one device's batch
-        skipped.step(t, x, ys[t - 1])
+            with monkeypatch.context() as patch:  # only step 13's program is traced with the fault
+                patch.setattr(collectives, "all_gather_sum", _nan_outer_gradient_on_replica_0(collectives.all_gather_sum))
+                dropped._programs.pop(dropped.tx.phase(t), None)
+                dropped.step(t, xs[t - 1], ys[t - 1])
+                dropped._programs.pop(dropped.tx.phase(t))
+        else:
+            dropped.step(t, xs[t - 1], ys[t - 1])
         clean.step(t, xs[t - 1], ys[t - 1])
-        assert int(skipped.state.step) == t  # host count and device count never disagree
+        assert int(dropped.state.step) == t  # host count and device count never disagree
         if t == bad - 1:
-            before = host(skipped.state.global_params)
+            before, errors = host(dropped.state.global_params), host(dropped.state.error)
         if t == bad:
-            assert np.all(np.isnan(np.asarray(skipped.state.inflight))), "a skipped send leaves the slot empty"
+            assert np.all(np.isnan(np.asarray(dropped.state.inflight))), "a dropped round leaves the slot empty"
+            chex.assert_trees_all_equal(host(dropped.state.error), errors)  # not fed back: it was not delivered
+            # the inner steps went on: every replica's parameters are the clean run's
+            chex.assert_trees_all_equal(host(dropped.params), host(clean.params))
         if t == 14:  # only fragment 1 was due between steps 13 and 14, and it sat out
-            chex.assert_trees_all_equal(host(skipped.state.global_params), before)
+            chex.assert_trees_all_equal(host(dropped.state.global_params), before)
             assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(host(clean.state.global_params)),
                                                                 jax.tree.leaves(before)))
-    assert int(skipped.state.skipped) == 1
-    for leaf in jax.tree.leaves(host((skipped.params, skipped.state.global_params, skipped.state.outer))):
+    assert int(dropped.state.dropped) == 1 and dropped.state.skipped.tolist() == [0, 0]
+    for leaf in jax.tree.leaves(host((dropped.params, dropped.state.global_params, dropped.state.outer))):
         assert np.all(np.isfinite(leaf))
-    assert int(skipped.state.step) == int(clean.state.step) == 22
+    assert int(dropped.state.step) == int(clean.state.step) == 22
 
 
 @pytest.mark.parametrize("bits,fmt", [(2, "lloyd"), (1, "int")])

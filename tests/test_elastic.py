@@ -60,7 +60,16 @@ def test_two_to_four_replicas_carries_global_state_and_restarts_locals(first_hal
     # global parameters, outer states and counts: carried over exactly
     jax.tree.map(np.testing.assert_array_equal, host(new_opt.global_params), host(old_opt.global_params))
     jax.tree.map(np.testing.assert_array_equal, host(new_opt.outer), host(old_opt.outer))
-    assert int(new_opt.step) == int(old_opt.step) == STOP and int(new_opt.skipped) == 0
+    assert int(new_opt.step) == int(old_opt.step) == STOP and int(new_opt.dropped) == 0
+    assert np.asarray(new_opt.skipped).tolist() == [0] * 4  # one count per new replica: replica 0's
+    # integer leaves of the inner state (Adam's and the schedule's step counts) are replica 0's either way:
+    # a reset restarts the moments, not the learning-rate schedule
+    counts = lambda opt, m: [_blocks(x, m)[0] for x in jax.tree.leaves(host(opt.inner))
+                             if x.dtype == np.int32]
+    old_counts, new_counts = counts(old_opt, 2), counts(new_opt, 4)
+    assert old_counts and any(np.any(c == STOP) for c in old_counts)
+    for old, new in zip(old_counts, new_counts):
+        np.testing.assert_array_equal(new, old)
     # local parameters: every one of the 4 replicas starts from the global ones
     for local, glob in zip(jax.tree.leaves(host(state.params)), jax.tree.leaves(host(new_opt.global_params))):
         for block in _blocks(local, 4):
@@ -192,3 +201,26 @@ def test_checkpoint_that_does_not_fit_on_its_own_mesh_is_refused_by_name(first_h
     with pytest.raises(ValueError, match=r"another version of loco-jax: its state leaf '.opt_state.inflight' is "
                                          r"shape \(17408,\) where .* needs shape \(4,\). Start a new --workdir"):
         trainer.train_and_evaluate(cfg, workdir, log=quiet)
+
+
+OLD_LAYOUT = os.path.join(os.path.dirname(__file__), "data", "checkpoint_global_counts")
+
+
+def test_a_checkpoint_with_global_skip_counts_resumes_with_one_count_per_replica(text_file, tmp_path):  # noqa: F811
+    """tests/data/checkpoint_global_counts: step 6 of a 2 x 4 run (d_model 16, d_ff 48) written by the code
+    before replicas skipped non-finite steps alone, when DiLoCo's ``skipped`` and the inner optimizer's
+    scalars were global. It resumes on today's layout: each replica takes the global value, ``dropped`` 0."""
+    workdir = _copy(OLD_LAYOUT, str(tmp_path / "run"))
+    saved = json.loads(open(os.path.join(workdir, "config.json")).read())
+    saved["data"]["path"] = text_file  # the same corpus (tests/test_trainer.py writes it alike), elsewhere
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(saved, f)
+    cfg = small_config(text_file, **{"model.d_model": 16, "model.d_ff": 48})
+    logs = []
+    summary = trainer.train_and_evaluate(cfg, workdir, log=logs.append, stop_after=8)
+    assert "resumed from checkpoint at step 6" in logs, logs
+    opt = summary["state"].opt_state
+    assert int(opt.step) == 8 and np.asarray(opt.skipped).tolist() == [0, 0] and int(opt.dropped) == 0
+    counts = [np.asarray(x) for x in jax.tree.leaves(opt.inner) if x.dtype == np.int32 and x.shape == (2,)]
+    assert counts and all(c.tolist() in ([8, 8], [0, 0]) for c in counts), counts  # Adam's count went on from 6
+    assert any(c.tolist() == [8, 8] for c in counts)

@@ -1,4 +1,4 @@
-"""Non-finite values end to end through the trainer: a poisoned step is skipped everywhere, or stops the run.
+"""Non-finite values end to end through the trainer: a poisoned step is skipped where it happened, or stops the run.
 
 Three faults, each at one step of a real run (Streaming DiLoCo 2 x 4 with LoCo
 4-bit inside, and data parallel):
@@ -7,16 +7,19 @@ Three faults, each at one step of a real run (Streaming DiLoCo 2 x 4 with LoCo
   embedding lookup then yields NaN, as a bit flip in a token buffer would);
 * an Inf in the gradient of one device (the loss of the rows carrying a marker
   token is scaled by Inf);
-* a NaN in the outer gradient of one replica (the parameters its DiLoCo update
-  sees are NaN on that replica; its inner gradient stays finite).
+* a NaN in the outer gradient of one replica, as it is sent (the operand of the
+  exchange's all-gather is NaN on that replica; its inner step is untouched).
 
-In every case the step is skipped on every device with a logged warning and a
-count in the metrics, and nothing in the state (error buffers, global
-parameters, outer momentum, Adam moments) is poisoned. Data parallel ends
-bit-identical to a run in which that batch never came. Streaming DiLoCo's
-schedule is a clock (the skipped step counts, so the loop picks each step's
-phase without reading the device): the fragment whose exchange fell on the
-skipped step sits out that round, and everything else goes on as scheduled.
+Streaming DiLoCo: replicas decide alone between syncs, so the replica whose
+gradient is non-finite skips its own step and the other goes on; a non-finite
+outer gradient from any replica makes the exchanged mean non-finite on every
+replica, and that fragment's round is dropped everywhere (it syncs again at
+its next turn). Each case logs a warning and a count in the metrics, and
+nothing in the state (error buffers, global parameters, outer momentum, Adam
+moments) is poisoned. The schedule is a clock (every step counts, so the loop
+picks each step's phase without reading the device). Data parallel skips the
+step on every device and ends bit-identical to a run in which that batch
+never came.
 """
 
 import jax
@@ -27,7 +30,7 @@ import pytest
 from jax import lax
 
 from loco_jax import model as model_lib
-from loco_jax import diloco, specs, trainer
+from loco_jax import collectives, diloco, trainer
 from loco_jax.training import steps
 from tests import test_async
 from tests.test_trainer import small_config, text_file  # noqa: F401  (text_file: a fixture)
@@ -56,36 +59,35 @@ class _Batches:
         return self.inner.state()
 
 
-class _UpdateSeesNaNParams:
-    """``tx`` whose update sees NaN parameters where ``on`` (its gradients untouched)."""
+_OUTER_FAULT = {}  # while a step traces: the flag that poisons this replica's outer gradient as it is sent
 
-    def __init__(self, tx, on):
-        self.tx, self.on = tx, on
 
-    def update(self, grads, state, params, **extra):
-        seen = jax.tree.map(lambda p: jnp.where(self.on, jnp.full_like(p, jnp.nan), p), params)
-        return self.tx.update(grads, state, seen, **extra)
+def _poisoned_all_gather_sum(all_gather_sum):
+    def poisoned(x, axis_name, *args, **kwargs):
+        if "on" in _OUTER_FAULT:
+            x = jnp.where(_OUTER_FAULT["on"], jnp.nan, x)
+        return all_gather_sum(x, axis_name, *args, **kwargs)
+    return poisoned
 
 
 def _poisoning_train_step(tx, mcfg, params, opt_state, inputs, targets, **kwargs):
     """The real ``trainer.train_step`` with two fault injectors keyed on marker tokens in this device's rows.
 
     Rows holding INF_MARK scale this device's loss (hence its gradient) by Inf.
-    Rows holding NAN_OUTER_MARK on any device of a replica make the parameters
-    that replica's optimizer update sees NaN, so its outer gradient
-    ``global - local`` is NaN while its inner gradient is finite. Without
-    markers both are exact no-ops (``where`` picks the original values).
+    Rows holding NAN_OUTER_MARK on any device of a replica make that replica's
+    outer gradient NaN where the exchange's all-gather receives it (DiLoCo's
+    inner step is untouched). Without markers both are exact no-ops (``where``
+    picks the original values).
     """
     inf_here = jnp.any(inputs == INF_MARK)
-    # one replica's parameters (DiLoCo: split over replica); data parallel's are the same everywhere
-    axes = ("data",) if "replica" in specs.varying_axes(jax.tree.leaves(params)[0]) else ("replica", "data")
-    outer_here = lax.pmax(jnp.any(inputs == NAN_OUTER_MARK).astype(jnp.int32), axes) > 0
+    _OUTER_FAULT["on"] = lax.pmax(jnp.any(inputs == NAN_OUTER_MARK).astype(jnp.int32), "data") > 0
     loss_fn = model_lib.loss_fn
     model_lib.loss_fn = lambda *a, **kw: loss_fn(*a, **kw) * jnp.where(inf_here, jnp.inf, 1.0)  # while this traces
     try:
-        return _TRAIN_STEP(_UpdateSeesNaNParams(tx, outer_here), mcfg, params, opt_state, inputs, targets, **kwargs)
+        return _TRAIN_STEP(tx, mcfg, params, opt_state, inputs, targets, **kwargs)
     finally:
         model_lib.loss_fn = loss_fn
+        _OUTER_FAULT.clear()
 
 
 def _corrupt_ids(inputs, targets):  # device (replica 1, data 2) of the 2 x 4 mesh: rows 12-13 of 16
@@ -112,6 +114,7 @@ def _run(monkeypatch, cfg, workdir, *, corrupt=None, drop=False, stop_after=None
     monkeypatch.setattr(trainer.Dataset, "train_iterator",
                         lambda self, seed, state=None: _Batches(original(self, seed, state), BAD_STEP, corrupt, drop))
     monkeypatch.setattr(steps, "train_step", _poisoning_train_step)
+    monkeypatch.setattr(collectives, "all_gather_sum", _poisoned_all_gather_sum(collectives.all_gather_sum))
     logs = []
     try:
         summary = trainer.train_and_evaluate(cfg, str(workdir), log=logs.append, stop_after=stop_after)
@@ -146,28 +149,41 @@ def clean_reference(text_file, tmp_path_factory):  # noqa: F811
     return summary, _host(diloco.global_params(t.init_state().opt_state)), t.tx.plan(model_lib.abstract_params(t.mcfg))
 
 
+# (replicas that skip step 9, whether fragment 1's round at step 9 is dropped, the warning)
+EXPECTED = {
+    "corrupted batch": ([0, 1], False, "non-finite values on replica 1: that replica skipped the step"),
+    "Inf gradient on one device": ([1, 0], False, "non-finite values on replica 0: that replica skipped the step"),
+    "NaN outer gradient on one replica": ([0, 0], True, "the exchanged outer gradient of fragment 1 was non-finite"),
+}
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_poisoned_exchange_step_is_skipped_everywhere_and_its_fragment_sits_out(
+def test_a_poisoned_step_is_skipped_by_its_replica_or_drops_the_round_everywhere(
         fault, text_file, clean_reference, monkeypatch, tmp_path):  # noqa: F811
-    """DiLoCo's schedule is a clock: the skipped step counts, fragment 1 (sent at step 9) misses its round."""
+    """Step 9 sends and applies fragment 1 (overlap 1): an inner fault skips one replica's step and the round
+    goes on; an outer fault drops fragment 1's round on both replicas and every inner step goes on."""
     cfg = small_config(text_file)
     summary, logs = _run(monkeypatch, cfg, tmp_path, corrupt=FAULTS[fault])
+    skipped, dropped, warning = EXPECTED[fault]
     state = summary["state"]
-    assert int(state.opt_state.skipped) == 1 and int(state.opt_state.step) == cfg.steps
-    assert any(f"step {BAD_STEP} had non-finite values and was skipped on every device" in line for line in logs), logs
-    rows = trainer.read_metrics(str(tmp_path))
-    assert [r["skipped_steps"] for r in rows if "skipped_steps" in r][-1] == 1
+    assert np.asarray(state.opt_state.skipped).tolist() == skipped and int(state.opt_state.step) == cfg.steps
+    assert int(state.opt_state.dropped) == int(dropped)
+    assert any(line.startswith(f"warning: step {BAD_STEP}: {warning}") for line in logs), logs
+    row = [r for r in trainer.read_metrics(str(tmp_path)) if "skipped_steps" in r][-1]
+    assert (row["skipped_steps"], row["skipped_by_replica"], row["dropped_exchanges"]) == (sum(skipped), skipped, dropped)
     _assert_finite(state)  # error buffers, global params, outer momentum, Adam moments, in-flight buffer
     clean, initial, plan = clean_reference
     fragment = lambda tree, p: np.asarray(plan.extract(tree, p))
     faulty_global, clean_global = _host(diloco.global_params(state.opt_state)), _host(
         diloco.global_params(clean["state"].opt_state))
-    # fragment 1's only exchange of the run fell on the skipped step: its global parameters never moved
-    np.testing.assert_array_equal(fragment(faulty_global, 1), fragment(initial, 1))
-    assert not np.array_equal(fragment(clean_global, 1), fragment(initial, 1)), "the clean run synced fragment 1"
     # fragment 0 synced at step 7, before the fault, and not again: the same as in the clean run
     np.testing.assert_array_equal(fragment(faulty_global, 0), fragment(clean_global, 0))
     assert not np.array_equal(fragment(faulty_global, 0), fragment(initial, 0))
+    assert not np.array_equal(fragment(clean_global, 1), fragment(initial, 1)), "the clean run synced fragment 1"
+    if dropped:  # fragment 1's only round of the run was dropped: its global parameters never moved
+        np.testing.assert_array_equal(fragment(faulty_global, 1), fragment(initial, 1))
+    else:  # sent from the parameters of step 8 (overlap 1), before the fault: exactly the clean run's round
+        np.testing.assert_array_equal(fragment(faulty_global, 1), fragment(clean_global, 1))
     assert np.isfinite(summary["eval_loss"])
 
 
@@ -176,7 +192,8 @@ def test_data_parallel_skips_a_poisoned_step_and_equals_the_run_without_it(text_
     faulty, logs = _run(monkeypatch, cfg, tmp_path / "faulty", corrupt=_inf_gradient)
     clean, _ = _run(monkeypatch, cfg, tmp_path / "clean", drop=True, stop_after=cfg.steps - 1)
     assert int(faulty["state"].opt_state.skipped) == 1
-    assert any("skipped on every device" in line for line in logs)
+    assert any(line.startswith(f"warning: step {BAD_STEP}: non-finite values; the step was skipped on every device")
+               for line in logs), logs
     _assert_finite(faulty["state"])
     inner = lambda s: s.opt_state.inner  # skip_nonfinite's wrapped chain: LoCo errors, clip, Adam
     jax.tree.map(np.testing.assert_array_equal, _host(faulty["state"].params), _host(clean["state"].params))

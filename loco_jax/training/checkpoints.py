@@ -110,14 +110,49 @@ def restore(manager, step, trainer, mesh_recorded=True):
 
     like = trainer.abstract_state()
     parts = split_by_kind(like, trainer.specs)
+    upgraded = _per_replica_counts_from_global(manager, step, parts, trainer.m)
     _check_saved_shapes(manager, step, parts, trainer, mesh_recorded)
-    args = {k: ocp.args.StandardRestore(v) for k, v in parts.items() if v}
+    args = {k: ocp.args.StandardRestore(v) for k, v in parts.items() if v and not (upgraded and k == "global")}
     args["meta"] = ocp.args.JsonRestore()
-    restored = manager.restore(step, args=ocp.args.Composite(**args))
+    restored = dict(manager.restore(step, args=ocp.args.Composite(**args)).items())
+    if upgraded and parts["global"]:  # the older global item also holds the leaves now kept per replica
+        restored["global"] = ocp.PyTreeCheckpointer().restore(_item_path(manager, step, "global"), args=ocp.args.PyTreeRestore(
+            item=parts["global"], restore_args=ocp.checkpoint_utils.construct_restore_args(parts["global"]),
+            partial_restore=True))
     loaded = {k: restored[k] for k in parts if parts[k]}
     for k in parts:
         loaded.setdefault(k, {})
+    loaded["replica"].update(upgraded)
     return join_by_kind(loaded, like), restored["meta"]
+
+
+def _per_replica_counts_from_global(manager, step, parts, replicas):
+    """Leaves of the older DiLoCo layout, read and taken out of ``parts``: {key: array}.
+
+    Before replicas skipped non-finite steps alone, DiLoCo's ``skipped`` count and the inner optimizer's
+    leaves that did not vary over replicas (step counts, LoCo's ``skipped`` and key) were global; now each
+    replica keeps its own (one block per replica, a scalar as shape ``(1,)``), and ``dropped`` (rounds
+    dropped) was not counted. Such a checkpoint resumes with every replica's block the global value
+    (identical on every replica then) and ``dropped`` at 0.
+    """
+    saved_global, saved_replica = _saved_leaves(manager, step, "global"), _saved_leaves(manager, step, "replica")
+    out = {}
+
+    def put(key, want, host):
+        out[key] = jax.make_array_from_callback(want.shape, want.sharding, lambda idx: host[idx])
+
+    for key, want in list(parts["replica"].items()):
+        old = saved_global.get(key)
+        block = (1,) if old is not None and tuple(old.shape) == () else tuple(getattr(old, "shape", ()))
+        if key not in saved_replica and old is not None and (block[0] * replicas,) + block[1:] == tuple(want.shape):
+            value = np.asarray(_read_leaf(manager, step, "global", key)).reshape(block)
+            put(key, want, np.concatenate([value] * replicas).astype(want.dtype))
+            del parts["replica"][key]
+    key = ".opt_state.dropped"
+    if out and key in parts["global"] and key not in saved_global:
+        want = parts["global"].pop(key)
+        put(key, want, np.zeros(want.shape, want.dtype))
+    return out
 
 
 def read_meta(manager, step):
@@ -191,8 +226,9 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
     The rule: global parameters, outer optimizer states and every step count
     carry over (they are the same on every device); each replica's local
     parameters start from the global ones; its inner optimizer state is
-    replica 0's (``elastic_inner_state="copy"``) or fresh moments with the step
-    counts kept (``"reset"``); LoCo's and the outer exchange's error buffers
+    replica 0's (``elastic_inner_state="copy"``) or fresh moments with
+    replica 0's counts (``"reset"``: step counts, so the learning-rate schedule
+    goes on, and skip counts); LoCo's and the outer exchange's error buffers
     (per device) restart at zero. An in-flight exchange (overlap >= 2, a
     checkpoint between a fragment's send and its apply) is completed: the old
     replicas' mean outer gradient is already in the checkpoint (identical on
@@ -233,7 +269,8 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
     replica = {}
     for key, old in restored.get("replica", {}).items():
         fresh = fresh_parts["replica"][key]
-        if key.startswith(".params") or cfg.elastic_inner_state == "reset":
+        reset = cfg.elastic_inner_state == "reset" and jnp.issubdtype(fresh.dtype, jnp.inexact)  # counts kept
+        if key.startswith(".params") or reset:
             replica[key] = fresh  # params: replaced by the global ones below
         else:
             tiled = np.concatenate([np.asarray(old)[: old.shape[0] // m_old]] * trainer.m)  # replica 0's block

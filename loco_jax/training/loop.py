@@ -171,9 +171,9 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
     progress = Progress(cfg.steps)
     metrics_file = open(metrics_path(workdir), "a") if is_main else None
     # Reads at the start are fine: the loop below reads the device only at sync steps.
-    skipped_seen = trainer.skipped(state)
+    counts_seen = trainer.skipped(state)
     offset = _schedule_offset(trainer, state, start) if latest is not None else 0
-    window = _Window(cfg.batch_size * cfg.seq_len, trainer.replica_mean)
+    window = _Window(cfg.batch_size * cfg.seq_len, trainer.replica_mean, counts_seen, trainer.replica_values)
     if latest is not None:  # the steps since the last log row, read when the checkpoint was written
         window.carry_unlogged(meta.get("unlogged", []))
     eval_loss, last_saved = None, start
@@ -206,15 +206,14 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
             # ---- a sync step: the interval's metrics come to the host in one transfer
             at(step, "reading the step's metrics (waits for the device)")
             window.read()
-            for bad, total in window.new_skips(skipped_seen):
+            for bad, what in window.new_faults(counts_seen, lambda t: trainer.phase(t - offset)):
                 if cfg.nonfinite == "stop":
                     raise FloatingPointError(
-                        f"non-finite gradients or outer gradients at step {bad} (nonfinite='stop'); the step was "
-                        "not applied. Set nonfinite='skip' to skip such steps and go on."
+                        f"non-finite gradients or outer gradients at step {bad} (nonfinite='stop'): {what}. "
+                        "Set nonfinite='skip' to skip such steps and go on."
                     )
-                log(f"warning: step {bad} had non-finite values and was skipped on every device "
-                    f"({total} skipped so far)")
-            skipped_seen = window.skipped
+                log(f"warning: step {bad}: {what}")
+            counts_seen = window.counts
             row = None
             if is_log:
                 row = window.log_row(step, trainer, bytes_so_far)
@@ -300,7 +299,7 @@ def _schedule_offset(trainer, state, start):
 
 
 class _Window:
-    """The per-step outputs (loss, gradient RMS, skip count) since the last sync step, kept on device.
+    """The per-step outputs (loss, gradient RMS, skip counts) since the last sync step, kept on device.
 
     ``read()`` averages each step's per-replica loss and gradient RMS over the replicas on device (the
     only cross-replica reduction of metrics, at sync steps; ``replica_mean``) and brings them to the host
@@ -309,10 +308,12 @@ class _Window:
     (``meta["unlogged"]``), so a resumed run logs the same means.
     """
 
-    def __init__(self, tokens_per_step, replica_mean=lambda x: x):
-        self.tokens_per_step, self.replica_mean = tokens_per_step, replica_mean
+    def __init__(self, tokens_per_step, replica_mean=lambda x: x, counts=None, replica_values=lambda x: x):
+        self.tokens_per_step, self.replica_mean, self.replica_values = tokens_per_step, replica_mean, replica_values
         self.on_device, self.host = [], []  # (step, out) not yet read; read but not yet logged
-        self.skipped, self._new = None, []
+        # the latest skip counts read: per-replica skipped steps, dropped outer rounds (Trainer.skipped)
+        self.counts = counts or {"skipped": np.zeros(1, int), "dropped": 0}
+        self._new = []
         self.t_last = time.perf_counter()
         self.carried = 0  # host rows restored from a checkpoint: logged, but not run in this interval's time
 
@@ -326,20 +327,37 @@ class _Window:
 
     def read(self):
         steps = [s for s, _ in self.on_device]
-        outs = jax.device_get([dict(o, loss=self.replica_mean(o["loss"]), grad_rms=self.replica_mean(o["grad_rms"]))
-                               for _, o in self.on_device])
+        outs = jax.device_get([dict(o, loss=self.replica_mean(o["loss"]), grad_rms=self.replica_mean(o["grad_rms"]),
+                                    skipped=self.replica_values(o["skipped"])) for _, o in self.on_device])
         self.on_device = []
-        self._new = [(s, int(o["skipped"])) for s, o in zip(steps, outs)]
+        self._new = [(s, {"skipped": np.atleast_1d(o["skipped"]).astype(int), "dropped": int(o.get("dropped", 0))})
+                     for s, o in zip(steps, outs)]
         self.host += [(s, float(o["loss"]), float(o["grad_rms"])) for s, o in zip(steps, outs)]
 
-    def new_skips(self, seen):
-        """(step, skipped so far) for every step read that was skipped, oldest first."""
+    def new_faults(self, seen, phase_of):
+        """(step, what happened) for every non-finite step read since the counts ``seen``, oldest first.
+
+        One replica (data parallel): the step was skipped on every device. Several (DiLoCo): each replica
+        whose count rose skipped that step alone; a rise of ``dropped`` is the fragment that step sent
+        (``phase_of(step).send``), whose round every replica drops.
+        """
         out = []
-        for step, total in self._new:
-            if total > seen:
-                out.append((step, total))
-            seen = total
-        self.skipped = seen
+        for step, counts in self._new:
+            skipped, dropped = counts["skipped"], counts["dropped"]
+            if len(skipped) == 1 and skipped[0] > seen["skipped"][0]:
+                out.append((step, f"non-finite values; the step was skipped on every device "
+                                  f"({skipped[0]} skipped so far)"))
+            elif len(skipped) > 1:
+                for r in np.flatnonzero(skipped > seen["skipped"]):
+                    out.append((step, f"non-finite values on replica {r}: that replica skipped the step and the "
+                                      f"others went on ({skipped[r]} skipped so far on replica {r})"))
+            if dropped > seen["dropped"]:
+                p = phase_of(step).send
+                out.append((step, f"the exchanged outer gradient of fragment {p} was non-finite (a replica sent "
+                                  f"NaN or Inf): every replica drops this round of fragment {p}, which syncs again "
+                                  f"at its next turn ({dropped} rounds dropped so far)"))
+            seen = counts
+        self.counts = seen
         return out
 
     @property
@@ -350,14 +368,20 @@ class _Window:
         now = time.perf_counter()
         losses = [loss for _, loss, _ in self.host]
         grad_rms = [g for _, _, g in self.host]
+        skipped = self.counts["skipped"]
         row = {
-            # the optimizer's own count: skipped steps do not advance the learning-rate schedule
+            # the optimizer's own count: skipped steps do not advance the learning-rate schedule (each
+            # replica's own under DiLoCo; their mean)
             "step": step, "loss": sum(losses) / len(losses),
-            "lr": float(trainer.schedule(step - 1 - self.skipped)),
+            "lr": float(np.mean([trainer.schedule(step - 1 - int(n)) for n in skipped])),
             "tokens_per_s": self.tokens_per_step * (len(self.host) - self.carried) / (now - self.t_last),
-            "bytes_sent_per_device": bytes_so_far, "skipped_steps": self.skipped,
+            "bytes_sent_per_device": bytes_so_far, "skipped_steps": int(skipped.sum()),
             "grad_rms": sum(grad_rms) / len(grad_rms),
         }
+        if trainer.cfg.diloco.enabled:  # the exchanges dropped, and who skipped
+            row["dropped_exchanges"] = self.counts["dropped"]
+            if len(skipped) > 1:
+                row["skipped_by_replica"] = [int(n) for n in skipped]
         self.host, self.t_last, self.carried = [], now, 0
         return row
 

@@ -149,15 +149,16 @@ class Trainer:
             def fn(p, s, x, y):
                 p, s, metrics = steps.train_step(self.tx, self.mcfg, p, s, x, y, phase=phase,
                                                  shard_dims=self.shard_dims, accum_steps=self.cfg.accum_steps)
-                # a copy of the skip count beside the metrics: the state itself is donated to the next step
-                return p, s, dict(metrics, skipped=s.skipped)
+                # copies of the skip counts beside the metrics: the state itself is donated to the next step
+                return p, s, dict(metrics, **self._counts(s))
             specs = self.specs
+            counts = ({"skipped": P("replica"), "dropped": P()} if self.cfg.diloco.enabled else {"skipped": P()})
             f = jax.jit(
                 jax.shard_map(
                     fn, mesh=self.mesh, in_specs=(specs.params, specs.opt_state, self.batch_spec, self.batch_spec),
-                    # metrics one per replica (averaged on the host at a sync step); the skip count as is
+                    # metrics one per replica (averaged on the host at a sync step); the skip counts as stored
                     out_specs=(specs.params, specs.opt_state,
-                               {"loss": P("replica"), "grad_rms": P("replica"), "skipped": P()}),
+                               {"loss": P("replica"), "grad_rms": P("replica"), **counts}),
                 ),
                 donate_argnums=(0, 1),
             )
@@ -176,6 +177,13 @@ class Trainer:
         if "replica_mean" not in self._programs:
             self._programs["replica_mean"] = jax.jit(jnp.mean, out_shardings=NamedSharding(self.mesh, P()))
         return self._programs["replica_mean"](per_replica)
+
+    def replica_values(self, per_replica):
+        """Every replica's value of a per-replica array (the skip counts), replicated on every device so
+        each process can read it: a cross-replica gather the loop runs at sync steps only."""
+        if "replica_values" not in self._programs:
+            self._programs["replica_values"] = jax.jit(lambda x: x, out_shardings=NamedSharding(self.mesh, P()))
+        return self._programs["replica_values"](per_replica)
 
     def eval_program(self):
         if "eval" not in self._programs:
@@ -222,10 +230,20 @@ class Trainer:
         """
         return self.tx.phase(step) if self.cfg.diloco.enabled else None
 
+    def _counts(self, opt_state):
+        """The optimizer's skip counts: DiLoCo's per-replica ``skipped`` and its ``dropped`` rounds, or
+        skip_nonfinite's ``skipped`` (data parallel: every device skips together)."""
+        if self.cfg.diloco.enabled:
+            return {"skipped": opt_state.skipped, "dropped": opt_state.dropped}
+        return {"skipped": opt_state.skipped}
+
     def skipped(self, state):
-        """Steps skipped for non-finite values so far (the outermost counter: DiLoCo's or skip_nonfinite's).
+        """The skip counts so far, on the host: ``skipped`` one per replica (data parallel: one), and
+        ``dropped`` (DiLoCo's exchanges dropped for a non-finite mean; 0 for data parallel).
 
         A device read: only at steps that synchronise anyway.
         """
-        return int(state.opt_state.skipped)
+        counts = self._counts(state.opt_state)
+        counts = jax.device_get(dict(counts, skipped=self.replica_values(counts["skipped"])))
+        return {"skipped": np.atleast_1d(counts["skipped"]).astype(int), "dropped": int(counts.get("dropped", 0))}
 

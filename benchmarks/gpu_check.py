@@ -12,7 +12,9 @@ Measures, side by side in one process:
 - model FLOPs utilisation: 6 * params * tokens (+ attention 12 * L * T^2 * d per sequence)
   per step against the peak (989 TFLOP/s dense bf16 for an H200; ~790 is what dense
   matmuls reach in practice);
-- the time of ``quant.encode`` + ``quant.decode`` alone on a parameter-sized vector.
+- the time of ``quant.encode`` + ``quant.decode`` alone on a parameter-sized vector;
+- on a GPU, the plain step with XLA's attention and with cuDNN's fused attention (the trainer's
+  ``model.attention="auto"`` on GPUs): step time, temporaries, and the cuDNN kernel in the program.
 Writes ``gpu_check.json`` under ``--out`` (default ``$OUT``).
 """
 
@@ -92,6 +94,8 @@ def measure(model, batch, seq, steps, bits):
         }
         print(f"  {name}: {median * 1e3:.1f} ms/step, {flops / median / 1e12:.2f} TFLOP/s "
               f"(MFU {100 * flops / median / H200_PEAK:.1f} % of 989)", flush=True)
+    if jax.default_backend() == "gpu":  # the fused attention the trainer's model.attention="auto" takes on GPUs
+        results["attention"] = attention_check(cfg, params, tokens, steps, flops)
     base, comp = results["adamw"]["step_s"], results[f"loco{bits}+adamw"]["step_s"]
     results["compression_overhead"] = comp / base - 1
     results["compression_share_of_compressed_step"] = (comp - base) / comp
@@ -106,6 +110,26 @@ def measure(model, batch, seq, steps, bits):
           f"({100 * median / base:.1f} % of the plain step); compression overhead in the step "
           f"{100 * results['compression_overhead']:.1f} %", flush=True)
     return results
+
+
+def attention_check(cfg, params, tokens, steps, flops):
+    """The plain AdamW step with XLA's attention and with cuDNN's fused one, side by side: step time, the
+    GPU compiler's temporaries, and whether the compiled program calls cuDNN's attention kernel."""
+    out = {}
+    tx = optax.adamw(3e-4)
+    for impl in ("xla", "cudnn"):
+        step = make_step(cfg.replace(attention_impl=None if impl == "xla" else impl), tx)
+        opt_state = tx.init(params)
+        compiled = step.lower(params, opt_state, tokens).compile()
+        median, _ = timed(step, params, opt_state, tokens, steps=steps)
+        mem = compiled.memory_analysis()
+        out[impl] = {"step_s": median, "tflops": flops / median / 1e12, "cudnn_kernel": "cudnn" in compiled.as_text(),
+                     "temp_bytes": int(mem.temp_size_in_bytes) if mem else None}
+        print(f"  attention {impl}: {median * 1e3:.1f} ms/step, temporaries "
+              f"{out[impl]['temp_bytes'] / 2**30 if mem else float('nan'):.2f} GiB, cuDNN kernel in the program: "
+              f"{out[impl]['cudnn_kernel']}", flush=True)
+    out["cudnn_speedup"] = out["xla"]["step_s"] / out["cudnn"]["step_s"]
+    return out
 
 
 def table(all_results, bits):

@@ -248,12 +248,20 @@ def gpu_devices(topology: str = "1x1x8", target: str = "h200"):
     return list(desc.devices)
 
 
-def compile_recipe(config_path: str, overrides=(), topology: str = "1x1x8", target: str = "h200") -> dict:
-    """{phase: (compiled program, Schedule)} for every distinct step program of one period of a recipe."""
+# A compile-only device has no cuDNN to build the fused attention kernel that model.attention="auto"
+# takes on GPUs ("cuDNN not found"), so these programs use XLA's attention (benchmarks/gpu_check.sh
+# compiles and runs the cuDNN one on a lent GPU). Everything else is the trainer's own program.
+DEVICELESS = ("model.attention=xla",)
+
+
+def compile_recipe(config_path: str, overrides=(), topology: str = "1x1x8", target: str = "h200",
+                   first: int | None = None) -> dict:
+    """{phase: (compiled program, Schedule)} for every distinct step program of one period of a recipe
+    (``first``: only the first that many, in step order from step H + 1: a send program, then the quiet one)."""
     from loco_jax.training import config as config_lib
     from loco_jax.training.trainer import Trainer
 
-    cfg = config_lib.load(config_path, list(overrides) + ["sample_tokens=0"])
+    cfg = config_lib.load(config_path, list(DEVICELESS) + list(overrides) + ["sample_tokens=0"])
     devices = gpu_devices(topology, target)
     trainer = Trainer(cfg, workdir=None, log=lambda *_: None, devices=devices)
     state, batch = trainer.abstract_state(), trainer.abstract_batch()
@@ -264,6 +272,8 @@ def compile_recipe(config_path: str, overrides=(), topology: str = "1x1x8", targ
         phase = trainer.phase(step)
         if str(phase) in out:
             continue
+        if first is not None and len(out) >= first:
+            break
         compiled = trainer.program(phase, state, batch)
         out[str(phase)] = (compiled, analyze(compiled.as_text(), trainer.m, len(devices), _memory(compiled)))
     return out
@@ -308,8 +318,10 @@ def main(argv=None):
     ap.add_argument("--topology", default="1x1x8", help="hosts x GPUs: 1x1x8 (one host of 8) or 1x2x8 (two)")
     ap.add_argument("--target", default="h200", choices=("h200", "h100"))
     ap.add_argument("--json", default=None, help="also write the figures as JSON to this file")
+    ap.add_argument("--first", type=int, default=None,
+                    help="compile only the first N distinct programs from step H + 1 (2: a send and the quiet one)")
     args = ap.parse_args(argv)
-    schedules = compile_recipe(args.config, args.overrides, args.topology, args.target)
+    schedules = compile_recipe(args.config, args.overrides, args.topology, args.target, args.first)
     print(report(schedules, f"{args.config} on {args.topology} {args.target.upper()}"
                  + (f" ({' '.join(args.overrides)})" if args.overrides else "")))
     if args.json:

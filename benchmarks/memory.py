@@ -1,6 +1,7 @@
 """Per-device memory of a recipe's step programs, from the compiler, beside the analytic count.
 
     python benchmarks/memory.py --config configs/diloco_8b.py [--json] [--devices 8] [--no-write]
+    PYTHONPATH=<jax CUDA plugin>:. python benchmarks/memory.py --config configs/diloco_1b.py --compiler gpu
 
 Builds one replica of the recipe on ``--devices`` simulated CPU devices (``mesh.replicas=1``; DiLoCo's
 state is kept, with one replica), with the recipe's sequences per device, and compiles its step
@@ -17,8 +18,11 @@ Analytic state per device, with ``P`` parameters and ``D`` devices holding shard
 momentum + LoCo's error buffer, which is never sharded: ``P (error_bits / 8 + 4 / block_size)`` bytes
 (its codes and block scales, padded to whole blocks per device row).
 
-This is the CPU compiler's estimate: fusion, the widening of bf16 arithmetic and the attention kernel
-differ on a GPU (``benchmarks/gpu_check.sh`` prints the GPU compiler's figure for the 1B step to compare).
+``--compiler local`` (default) compiles for this process's devices; on simulated CPU devices it is the CPU
+compiler's estimate: fusion, the widening of bf16 arithmetic and
+the attention kernel differ on a GPU. ``--compiler gpu`` compiles the same programs for H200s of one host
+(compile-only devices from jax's CUDA plugin, no GPU needed; the plugin must be importable, as for
+``benchmarks/gpu_schedule.py``): the GPU compiler's own buffer plan, the figure the README quotes.
 """
 
 from __future__ import annotations
@@ -94,10 +98,26 @@ def phases_to_compile(trainer, quiet_only=False):
     return chosen[:1] if quiet_only else chosen
 
 
-def measure(path, devices, fsdp, overrides=(), quiet_only=False):
+def compile_devices(compiler, devices):
+    """The devices the programs are compiled for: this process's CPU devices, or compile-only H200s of one
+    host of 8 (jax's CUDA plugin, no GPU needed; benchmarks/gpu_schedule.py)."""
+    if compiler == "local":
+        return None  # the trainer takes every visible device
+    from benchmarks import gpu_schedule
+
+    if devices > 8:
+        raise SystemExit(f"--devices {devices}: the GPU compiler's figure is for one host of 8 H200s; use 8 or fewer.")
+    return gpu_schedule.gpu_devices("1x1x8", "h200")[:devices]
+
+
+def measure(path, devices, fsdp, overrides=(), quiet_only=False, compiler="local"):
+    if compiler == "gpu":
+        from benchmarks import gpu_schedule
+
+        overrides = list(gpu_schedule.DEVICELESS) + list(overrides)
     cfg, per_device = recipe(path, devices, fsdp, overrides)
     with tempfile.TemporaryDirectory() as workdir:
-        trainer = Trainer(cfg, workdir, log=lambda *a: None)
+        trainer = Trainer(cfg, workdir, log=lambda *a: None, devices=compile_devices(compiler, devices))
         state, batch = trainer.abstract_state(), trainer.abstract_batch()
         n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(model_lib.abstract_params(trainer.mcfg)))
         batch_bytes = 2 * per_device * cfg.seq_len * 4
@@ -111,14 +131,17 @@ def measure(path, devices, fsdp, overrides=(), quiet_only=False):
                          "peak": args + temp + max(out - alias, 0)})
         parts = analytic_state(trainer.cfg, n_params, devices)  # resolved: None settings made concrete
     return {"layout": "fsdp" if fsdp else "replicated", "devices": devices, "parameters": n_params,
-            "sequences_per_device": per_device, "accum_steps": cfg.accum_steps, "programs": rows,
+            "compiler": compiler if compiler == "gpu" else jax.devices()[0].platform, "sequences_per_device": per_device, "accum_steps": trainer.accum_steps,
+            "programs": rows,
             "analytic": parts, "analytic_state": sum(parts.values())}
 
 
 def table(path, results):
     unit, size = ("GiB", GIB) if results[0]["analytic_state"] > GIB else ("MiB", 2**20)
     gib = lambda b: f"{b / size:,.2f}"
-    lines = [f"Recipe `{path}`, one replica on {results[0]['devices']} simulated devices, "
+    where = {"cpu": "simulated CPU devices", "gpu": "H200s (the GPU compiler, deviceless: jax's CUDA plugin)"}.get(
+        results[0]["compiler"], f"{results[0]['compiler']} devices")
+    lines = [f"Recipe `{path}`, one replica on {results[0]['devices']} {where}, "
              f"{results[0]['parameters']:,} parameters, {results[0]['sequences_per_device']} sequences per device "
              f"per step in {results[0]['accum_steps']} micro-batch(es). {unit} per device.", "",
              "| layout | program | state (compiler) | state (analytic) | temporaries | peak |",
@@ -141,14 +164,18 @@ def main(argv=None):
     parser.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
     parser.add_argument("--layout", choices=("both", "replicated", "fsdp"), default="both")
     parser.add_argument("--quiet-only", action="store_true", help="compile only the quiet step (no exchange)")
+    parser.add_argument("--compiler", choices=("local", "gpu"), default="local",
+                        help="local: this process's devices (simulated CPUs, or a GPU where there is one); gpu: XLA's "
+                             "GPU compiler for H200s without a GPU (jax's CUDA plugin importable: see "
+                             "benchmarks/gpu_schedule.py)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/results.md")
     args = parser.parse_args(argv)
-    if jax.device_count() < args.devices:
+    if args.compiler == "local" and jax.device_count() < args.devices:
         sys.exit(f"--devices {args.devices} needs that many devices; this process has {jax.device_count()}.")
     started = common.start()
     layouts = {"both": (False, True), "replicated": (False,), "fsdp": (True,)}[args.layout]
-    results = [measure(args.config, args.devices, fsdp, args.set, args.quiet_only) for fsdp in layouts]
+    results = [measure(args.config, args.devices, fsdp, args.set, args.quiet_only, args.compiler) for fsdp in layouts]
     if args.json:
         print(json.dumps(results, indent=2))
         return results

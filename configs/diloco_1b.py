@@ -10,7 +10,14 @@ Settings:
     steps=88000 batch_size=512 seq_len=2048 model.d_model=2048 model.num_layers=24 model.num_heads=16
     model.d_ff=5632 model.vocab_size=32000 optim.lr=0.0004 optim.b1=0.9 optim.b2=0.95 optim.weight_decay=0.1
     diloco.sync_every=100 diloco.num_fragments=9 diloco.overlap=1 diloco.alpha=0.5 diloco.bits=4
-    diloco.format=e3m0 diloco.outer_lr=0.4 diloco.outer_momentum=0.9
+    diloco.format=e3m0 diloco.outer_lr=0.4 diloco.outer_momentum=0.9 micro_batch=8
+
+Memory: each device runs its share of the batch in micro-batches of 8 sequences (micro_batch: the
+accumulation count follows from the device count, 8 on 2 replicas x 4 GPUs, 1 from 64 GPUs up), blocks
+rematerialised, bf16 compute. On 2 x 4 H200s the GPU compiler plans 54-55 GiB per device (25.4 GiB of
+state: fp32 parameters, AdamW moments, DiLoCo's global parameters and outer momentum; the rest
+temporaries); without micro-batches it needed 277 GiB. `python benchmarks/memory.py --config
+configs/diloco_1b.py --devices 4 --layout replicated --compiler gpu` (docs/results.md).
 
 It trains on your corpus, never on the Shakespeare demo text: without data.path it refuses to start
 (data.require_path) and prints the command below. Tokenize once, then run the same command on every host:
@@ -27,7 +34,7 @@ from loco_jax.config import Config
 
 def get_config() -> Config:
     cfg = Config(steps=88_000, batch_size=512, seq_len=2048, eval_every=1000, eval_batches=16,
-                 log_every=10, checkpoint_every=1000, keep_checkpoints=3)
+                 log_every=10, checkpoint_every=1000, keep_checkpoints=3, micro_batch=8)
     m = cfg.model
     m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.d_ff = 32_000, 2048, 24, 16, 5632
     m.max_seq_len, m.scan_layers, m.remat, m.compute_dtype = 2048, False, True, "bfloat16"

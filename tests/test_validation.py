@@ -47,6 +47,11 @@ CASES = [
     ({"mesh.fsdp": "true", "model.d_model": "30", "model.num_heads": "3", "model.d_ff": "90"},
      ValueError, r"FSDP over 4 devices: parameter 'final_norm/scale' of shape \(30,\)"),
     ({"accum_steps": "4"}, ValueError, "accum_steps=4 must divide the 2 sequences each device gets"),
+    ({"micro_batch": "0"}, ValueError, "micro_batch=0 must be a positive integer or None"),
+    ({"micro_batch": "1", "accum_steps": "2"}, ValueError, "micro_batch=1 derives accum_steps .* set one of them"),
+    ({"batch_size": "24", "micro_batch": "2"}, ValueError,
+     "micro_batch=2 must divide the 3 sequences each device gets .* choose a divisor of 3"),
+    ({"model.attention": "flash"}, ValueError, r"model.attention='flash' must be one of \('auto', 'xla', 'cudnn'\)"),
     ({"mesh.local": "2"}, ValueError, "mesh.local=2 .* is for data parallel"),
     ({"mesh.data": "2"}, ValueError, "needs 4 devices, but 8 are visible"),
     ({"diloco.enabled": "false"}, ValueError, "mesh.replicas=2 needs diloco.enabled=True"),
@@ -98,3 +103,20 @@ def test_changed_optimizer_and_model_shape_on_resume_are_refused(text_file, tmp_
             trainer.train_and_evaluate(small_config(text_file, steps=2, checkpoint_every=2, eval_every=2, **overrides),
                                        workdir, log=quiet)
     assert (sorted(os.listdir(tmp_path)), open(tmp_path / "config.json").read()) == before
+
+
+@pytest.mark.parametrize("micro_batch,accum", [(None, 1), (1, 2), (2, 1), (64, 1)])
+def test_micro_batch_derives_the_accumulation_from_the_device_count(text_file, micro_batch, accum):  # noqa: F811
+    """2 sequences per device (16 over 8 devices): micro-batches of 1 are 2 of them; 2 or more, one."""
+    t = trainer.Trainer(small_config(text_file, **({} if micro_batch is None else {"micro_batch": micro_batch})), None,
+                        log=quiet)
+    assert t.accum_steps == accum
+
+
+def test_attention_auto_takes_cudnn_only_on_gpus_in_16_bit():
+    from loco_jax.training.steps import attention_impl
+
+    assert attention_impl("auto", "bfloat16", "gpu") == "cudnn" and attention_impl("auto", "float16", "cuda") == "cudnn"
+    assert attention_impl("auto", "float32", "gpu") is None  # cuDNN's fused attention takes 16-bit inputs only
+    assert attention_impl("auto", "bfloat16", "cpu") is None
+    assert attention_impl("xla", "bfloat16", "gpu") is None and attention_impl("cudnn", "bfloat16", "cpu") == "cudnn"

@@ -31,6 +31,12 @@ class ModelFields:
     scan_layers: bool = False
     remat: bool = False
     compute_dtype: str = "bfloat16"
+    # jax.nn.dot_product_attention's implementation: "auto" is cuDNN's fused (flash) attention where the
+    # step compiles for GPUs in bf16/fp16, XLA's elsewhere; "xla" or "cudnn" to choose
+    attention: str = "auto"
+
+
+ATTENTION = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass
@@ -130,6 +136,9 @@ class Config:
     seed: int = 0
     batch_size: int = 32  # global: sequences per step over all devices
     accum_steps: int = 1  # micro-batches per step on each device; one LoCo exchange and optimizer step per step
+    # sequences per device in one micro-batch; set, it derives accum_steps from the device count (the
+    # per-device batch / micro_batch, 1 when a device gets no more), so a recipe fits from few devices up
+    micro_batch: int | None = None
     seq_len: int = 128
     eval_every: int = 50
     eval_batches: int = 4
@@ -307,6 +316,13 @@ def validate(cfg: Config):
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive integer.")
+    if cfg.micro_batch is not None:
+        if not isinstance(cfg.micro_batch, int) or isinstance(cfg.micro_batch, bool) or cfg.micro_batch <= 0:
+            raise ValueError(f"micro_batch={cfg.micro_batch!r} must be a positive integer or None.")
+        if cfg.accum_steps != 1:
+            raise ValueError(
+                f"micro_batch={cfg.micro_batch} derives accum_steps from the device count, and accum_steps="
+                f"{cfg.accum_steps} sets it too; set one of them (accum_steps=1 or micro_batch=None).")
     if cfg.seq_len > cfg.model.max_seq_len:
         raise ValueError(
             f"seq_len={cfg.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; use seq_len <= "
@@ -318,6 +334,8 @@ def validate(cfg: Config):
         raise ValueError(f"nonfinite={cfg.nonfinite!r} must be 'skip' or 'stop'.")
     if cfg.elastic_inner_state not in ("copy", "reset"):
         raise ValueError(f"elastic_inner_state={cfg.elastic_inner_state!r} must be 'copy' or 'reset'.")
+    if cfg.model.attention not in ATTENTION:
+        raise ValueError(f"model.attention={cfg.model.attention!r} must be one of {ATTENTION}.")
     if cfg.data.tokenizer not in ("byte", "sentencepiece"):
         raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} must be 'byte' or 'sentencepiece'.")
     if cfg.data.sp_model is not None and cfg.data.tokenizer != "sentencepiece":

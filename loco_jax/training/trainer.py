@@ -24,6 +24,39 @@ from loco_jax.training.metrics import emit
 from loco_jax.training.steps import TrainState, learning_rate_schedule, make_optimizer, model_config
 
 
+def gpu_compiler_options(fsdp: bool) -> dict:
+    """XLA options the trainer compiles its step programs with on GPUs (docs/results.md, "The GPU
+    compiler's schedule", measured on the 1B and 8B recipes compiled for H200s).
+
+    - The all-reduce combiner's threshold, 1 GiB: XLA:GPU's default left the 1B recipe's exact gradient
+      mean as 171 all-reduces, one per leaf, run one after another; now a few.
+    - Replicated state: every collective starts as early as its operands allow, with two in flight at
+      once. Streaming DiLoCo's exchange depends on nothing the step computes, so it starts first and the
+      whole step's compute runs under it (1B: 100 % of the gemm FLOPs; 0 % once the all-reduces were
+      combined without these, which left the scheduler no second slot). Not with FSDP: there it moves
+      the per-layer parameter gathers early too (+16 GiB per device on the 8B recipe) and does not put
+      the exchange over the layer loops anyway.
+    """
+    options = {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30}
+    if not fsdp:
+        options.update({"xla_gpu_experimental_collective_start_as_early_as_possible": True,
+                        "xla_gpu_experimental_parallel_collective_overlap_limit": 2})
+    return options
+
+
+def _accum_steps(cfg, per_device, n_dev):
+    """Micro-batches per step: ``accum_steps``, or the per-device batch over ``micro_batch`` when that is set."""
+    where = f"the {per_device} sequences each device gets per step (batch_size={cfg.batch_size} over {n_dev} devices)"
+    if cfg.micro_batch is not None:
+        micro = min(cfg.micro_batch, per_device)
+        if per_device % micro:
+            raise ValueError(f"micro_batch={cfg.micro_batch} must divide {where}; choose a divisor of {per_device}.")
+        return per_device // micro
+    if per_device % cfg.accum_steps:
+        raise ValueError(f"accum_steps={cfg.accum_steps} must divide {where}; choose a divisor of {per_device}.")
+    return cfg.accum_steps
+
+
 class Trainer:
     """Builds the mesh, data, programs and state of a config; ``run()`` trains."""
 
@@ -51,12 +84,9 @@ class Trainer:
         if cfg.batch_size % n_dev:
             raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {n_dev} devices of the mesh.")
         per_device = cfg.batch_size // n_dev
-        if per_device % cfg.accum_steps:
-            raise ValueError(
-                f"accum_steps={cfg.accum_steps} must divide the {per_device} sequences each device gets per step "
-                f"(batch_size={cfg.batch_size} over {n_dev} devices); choose a divisor of {per_device}."
-            )
-        self.mcfg = model_config(cfg)
+        self.accum_steps = _accum_steps(cfg, per_device, n_dev)
+        self.platform = self.mesh.devices.flat[0].platform
+        self.mcfg = model_config(cfg, self.platform)
         full = model_lib.abstract_params(self.mcfg)
         # FSDP: the dimension each leaf is cut on over the data devices (refused by name before compiling)
         self.shard_dims = fsdp.shard_dims(full, self.d) if cfg.mesh.fsdp else None
@@ -148,7 +178,7 @@ class Trainer:
         if phase not in self._programs:
             def fn(p, s, x, y):
                 p, s, metrics = steps.train_step(self.tx, self.mcfg, p, s, x, y, phase=phase,
-                                                 shard_dims=self.shard_dims, accum_steps=self.cfg.accum_steps)
+                                                 shard_dims=self.shard_dims, accum_steps=self.accum_steps)
                 # copies of the skip counts beside the metrics: the state itself is donated to the next step
                 return p, s, dict(metrics, **self._counts(s))
             specs = self.specs
@@ -163,12 +193,16 @@ class Trainer:
                 donate_argnums=(0, 1),
             )
             with self.compiling():
-                compiled = f.lower(state.params, state.opt_state, *batch).compile()
+                compiled = f.lower(state.params, state.opt_state, *batch).compile(self.compiler_options())
             report = hlo.collective_bytes(compiled)
             cross = sum(op.total_bytes for op in report.ops if self.m > 1 and op.spans(self.d)) * self.d
             self.program_bytes[str(phase)] = {"per_device": report.total, "cross_replica_per_replica": cross}
             self._programs[phase] = compiled
         return self._programs[phase]
+
+    def compiler_options(self):
+        """XLA options of the step programs: :func:`gpu_compiler_options` where the mesh's devices are GPUs."""
+        return gpu_compiler_options(self.cfg.mesh.fsdp) if self.platform in ("gpu", "cuda") else None
 
     def replica_mean(self, per_replica):
         """The mean over replicas of a step's per-replica metric (shape ``(replicas,)``, split over

@@ -14,7 +14,7 @@ Settings:
 
 Memory: each device runs its share of the batch in micro-batches of 8 sequences (micro_batch: the
 accumulation count follows from the device count, 8 on 2 replicas x 4 GPUs, 1 from 64 GPUs up), blocks
-rematerialised, bf16 compute. On 2 x 4 H200s the GPU compiler plans 54-55 GiB per device (25.4 GiB of
+rematerialised, bf16 compute. On 2 x 4 H200s the GPU compiler plans 54.4-55.5 GiB per device (25.4 GiB of
 state: fp32 parameters, AdamW moments, DiLoCo's global parameters and outer momentum; the rest
 temporaries); without micro-batches it needed 277 GiB. `python benchmarks/memory.py --config
 configs/diloco_1b.py --devices 4 --layout replicated --compiler gpu` (docs/results.md).

@@ -306,7 +306,8 @@ def check_resume_config(workdir, cfg, old, log):
     old = config_lib.with_reference_fields(old)  # an older run's unrecorded fields: the settings it ran with
     new = config_lib.to_dict(cfg)
     changed = config_lib.changed_fields(old, new)
-    frozen = [k for k in changed if k.split(".")[0] in config_lib.FROZEN_ON_RESUME]
+    frozen = [k for k in changed if k.split(".")[0] in config_lib.FROZEN_ON_RESUME
+              and k not in config_lib.CHANGEABLE_ON_RESUME]
     if frozen:
         raise ValueError(
             f"the run in {workdir!r} was started with a different configuration: {', '.join(frozen)} changed "

@@ -161,6 +161,8 @@ class Config:
 # Fields whose change on resume would silently change the run: refused. The mesh may change: that is
 # an elastic restart (see trainer.restore_elastic).
 FROZEN_ON_RESUME = ("model", "optim", "loco", "diloco", "seed", "batch_size", "seq_len", "data")
+# how the step computes, not what it trains: free to change on resume (an attention kernel)
+CHANGEABLE_ON_RESUME = ("model.attention",)
 
 
 # Fields that None resolves per bit width from the library (see ``resolve``).
@@ -201,6 +203,7 @@ def resolve(cfg: Config, saved: dict | None = None) -> Config:
 def with_reference_fields(saved: dict) -> dict:
     """A saved config dict with the fields an older version did not record set to what it ran with."""
     saved = json.loads(json.dumps(saved))
+    saved.setdefault("model", {}).setdefault("attention", "xla")  # before model.attention: XLA's, everywhere
     for section, names in RESOLVED_FIELDS.items():
         node = saved.setdefault(section, {})
         node.setdefault("preset", "measured")

@@ -134,10 +134,12 @@ def scheduled(schedule_path, bpp, utilization):
         cross = [c for c in program["collectives"] if c["crosses_replica"]]
         if send and cross:
             shares[int(send.group(1))] = min(c["share_under"] for c in cross)
-    shapes, step_time, _ = MODELS["1B"]
-    sizes = fragments.plan(shapes(), len(shares)).fragment_sizes()
+    shapes_fn, step_time, _ = MODELS["1B"]
+    shapes = shapes_fn()
+    sizes = fragments.plan(shapes, 1 + len(shapes["layers"]) // 3).fragment_sizes()  # the recipe's 9 fragments
     if sorted(shares) != list(range(len(sizes))):
-        raise SystemExit(f"{schedule_path}: send programs for fragments {sorted(shares)}; expected 0..{len(sizes) - 1}")
+        raise SystemExit(f"{schedule_path}: send programs with a cross-replica exchange for fragments "
+                         f"{sorted(shares)}; the 1B recipe has {len(sizes)} (compile every program: no --first)")
     hidden = [shares[p] for p in range(len(sizes))]
     budget = (1 - utilization) / utilization
     w = min_bandwidth([s * bpp["outer4"] for s in sizes], step_time, hidden, H, budget)

@@ -129,7 +129,7 @@ class DiLoCoState(NamedTuple):
     inflight: jax.Array  # f32 [k_max]: reduced outer-gradient slice waiting to be applied ([1] placeholder when overlap < 2)
     error: tuple = ()  # per fragment: stored outer-gradient error of this device's slice (compensate=True)
     error_scale: tuple = ()
-    dropped: jax.Array | None = None  # int32 []: rounds dropped for a non-finite exchanged mean
+    dropped: jax.Array | None = None  # int32 []: rounds dropped for a non-finite exchanged mean (init sets it)
 
 
 def schedule_offsets(sync_every, num_fragments):

@@ -576,7 +576,8 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     """Skips the whole ``inner`` step on every device when any gradient anywhere is non-finite.
 
     Like ``optax.apply_if_finite``, but the decision is one flag reduced over
-    every mesh axis (:func:`global_all_finite`), so all devices skip together. On a skipped step the
+    every mesh axis (:func:`global_all_finite`; inside :func:`loco_jax.diloco.diloco`, over one replica's
+    devices), so all of those devices skip together. On a skipped step the
     updates are zeros and ``inner``'s state is unchanged; ``skipped`` counts.
     """
 

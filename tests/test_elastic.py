@@ -206,15 +206,23 @@ def test_checkpoint_that_does_not_fit_on_its_own_mesh_is_refused_by_name(first_h
 OLD_LAYOUT = os.path.join(os.path.dirname(__file__), "data", "checkpoint_global_counts")
 
 
+def _old_layout_run(text_file, tmp_path):
+    """A copy of the stored older-layout run, its config pointing at this session's corpus (the same text:
+    tests/test_trainer.py writes it alike)."""
+    workdir = _copy(OLD_LAYOUT, str(tmp_path / "run"))
+    path = os.path.join(workdir, "config.json")
+    saved = json.loads(open(path).read())
+    saved["data"]["path"] = text_file
+    with open(path, "w") as f:
+        json.dump(saved, f)
+    return workdir
+
+
 def test_a_checkpoint_with_global_skip_counts_resumes_with_one_count_per_replica(text_file, tmp_path):  # noqa: F811
     """tests/data/checkpoint_global_counts: step 6 of a 2 x 4 run (d_model 16, d_ff 48) written by the code
     before replicas skipped non-finite steps alone, when DiLoCo's ``skipped`` and the inner optimizer's
     scalars were global. It resumes on today's layout: each replica takes the global value, ``dropped`` 0."""
-    workdir = _copy(OLD_LAYOUT, str(tmp_path / "run"))
-    saved = json.loads(open(os.path.join(workdir, "config.json")).read())
-    saved["data"]["path"] = text_file  # the same corpus (tests/test_trainer.py writes it alike), elsewhere
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(saved, f)
+    workdir = _old_layout_run(text_file, tmp_path)
     cfg = small_config(text_file, **{"model.d_model": 16, "model.d_ff": 48})
     logs = []
     summary = trainer.train_and_evaluate(cfg, workdir, log=logs.append, stop_after=8)
@@ -224,3 +232,10 @@ def test_a_checkpoint_with_global_skip_counts_resumes_with_one_count_per_replica
     counts = [np.asarray(x) for x in jax.tree.leaves(opt.inner) if x.dtype == np.int32 and x.shape == (2,)]
     assert counts and all(c.tolist() in ([8, 8], [0, 0]) for c in counts), counts  # Adam's count went on from 6
     assert any(c.tolist() == [8, 8] for c in counts)
+
+
+def test_an_elastic_restart_of_a_checkpoint_with_global_counts_is_refused_by_name(text_file, tmp_path):  # noqa: F811
+    workdir = _old_layout_run(text_file, tmp_path)
+    cfg = small_config(text_file, **{"model.d_model": 16, "model.d_ff": 48, "mesh.replicas": 4})
+    with pytest.raises(ValueError, match=r"before replicas kept their own skip counts.*Resume it once on that mesh"):
+        trainer.train_and_evaluate(cfg, workdir, log=quiet, stop_after=8)

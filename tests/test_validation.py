@@ -2,6 +2,7 @@
 
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -52,6 +53,7 @@ CASES = [
     ({"batch_size": "24", "micro_batch": "2"}, ValueError,
      "micro_batch=2 must divide the 3 sequences each device gets .* choose a divisor of 3"),
     ({"model.attention": "flash"}, ValueError, r"model.attention='flash' must be one of \('auto', 'xla', 'cudnn'\)"),
+    ({"model.attention": "cudnn"}, ValueError, "model.attention='cudnn' takes 16-bit inputs, but model.compute_dtype='float32'"),
     ({"mesh.local": "2"}, ValueError, "mesh.local=2 .* is for data parallel"),
     ({"mesh.data": "2"}, ValueError, "needs 4 devices, but 8 are visible"),
     ({"diloco.enabled": "false"}, ValueError, "mesh.replicas=2 needs diloco.enabled=True"),
@@ -113,10 +115,14 @@ def test_micro_batch_derives_the_accumulation_from_the_device_count(text_file, m
     assert t.accum_steps == accum
 
 
-def test_attention_auto_takes_cudnn_only_on_gpus_in_16_bit():
+def test_attention_auto_takes_cudnn_only_where_it_applies():
     from loco_jax.training.steps import attention_impl
 
-    assert attention_impl("auto", "bfloat16", "gpu") == "cudnn" and attention_impl("auto", "float16", "cuda") == "cudnn"
-    assert attention_impl("auto", "float32", "gpu") is None  # cuDNN's fused attention takes 16-bit inputs only
-    assert attention_impl("auto", "bfloat16", "cpu") is None
-    assert attention_impl("xla", "bfloat16", "gpu") is None and attention_impl("cudnn", "bfloat16", "cpu") == "cudnn"
+    gpu = lambda cc: type("Device", (), {"platform": "gpu", "compute_capability": cc})()
+    assert attention_impl("auto", "bfloat16", 128, gpu("9.0")) == "cudnn"
+    assert attention_impl("auto", "float16", 64, gpu("8.0")) == "cudnn"
+    assert attention_impl("auto", "bfloat16", 128, gpu("7.0")) is None  # before Ampere: XLA's
+    assert attention_impl("auto", "float32", 128, gpu("9.0")) is None  # cuDNN's fused attention is 16-bit only
+    assert attention_impl("auto", "bfloat16", 100, gpu("9.0")) is None and attention_impl("auto", "bfloat16", 256, gpu("9.0")) is None
+    assert attention_impl("auto", "bfloat16", 128, jax.devices("cpu")[0]) is None and attention_impl("auto", "bfloat16", 128) is None
+    assert attention_impl("xla", "bfloat16", 128, gpu("9.0")) is None and attention_impl("cudnn", "bfloat16", 128) == "cudnn"

@@ -250,6 +250,13 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
         )
     like = trainer.abstract_state()
     parts = split_by_kind(like, trainer.specs)
+    if ".opt_state.skipped" in _saved_leaves(manager, step, "global"):
+        raise ValueError(
+            f"the checkpoint at step {step} was written before replicas kept their own skip counts, on mesh "
+            f"(replica={m_old}, data={d_old}); an elastic restart needs today's layout. Resume it once on that mesh "
+            f"(--set mesh.replicas={m_old} mesh.data={d_old} on {m_old * d_old} devices) until its next checkpoint, "
+            "then restart on the new mesh."
+        )
     old_shape = lambda a: (a.shape[0] // trainer.m * m_old,) + tuple(a.shape[1:])
     args = {"meta": ocp.args.JsonRestore()}
     if parts["global"]:
@@ -282,10 +289,14 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
         state = TrainState(tile(diloco.global_params(state.opt_state)), state.opt_state)
     inner = "copied from replica 0" if cfg.elastic_inner_state == "copy" else "reset (moments zero, step counts kept)"
     log(f"elastic restart at step {step}: mesh (replica={m_old}, data={d_old}) -> (replica={trainer.m}, "
-        f"data={trainer.d}); global parameters, outer optimizer states and step counts carried over; local "
-        f"parameters start from the global ones; inner optimizer state {inner}; LoCo and outer error buffers "
+        f"data={trainer.d}); global parameters, outer optimizer states and step counts carried over (every new "
+        f"replica's skip count is replica 0's); local parameters start from the global ones; inner optimizer state "
+        f"{inner}; LoCo and outer error buffers "
         "restart at zero; data position kept")
-    if flight is not None:
+    if flight is not None and not np.all(np.isfinite(saved)):
+        log(f"elastic restart: fragment {flight[0]}'s round was dropped (its exchanged mean was non-finite); the "
+            "fragment syncs again at its next turn")
+    elif flight is not None:
         log(f"elastic restart: fragment {flight[0]}'s outer-gradient mean was in flight (sent by the old replicas); "
             f"it is re-cut for the new mesh and applied in {flight[1]} step(s), as scheduled")
     return state, meta

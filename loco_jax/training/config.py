@@ -339,6 +339,9 @@ def validate(cfg: Config):
         raise ValueError(f"elastic_inner_state={cfg.elastic_inner_state!r} must be 'copy' or 'reset'.")
     if cfg.model.attention not in ATTENTION:
         raise ValueError(f"model.attention={cfg.model.attention!r} must be one of {ATTENTION}.")
+    if cfg.model.attention == "cudnn" and cfg.model.compute_dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"model.attention='cudnn' takes 16-bit inputs, but model.compute_dtype="
+                         f"{cfg.model.compute_dtype!r}; use bfloat16 or float16, or model.attention='auto' or 'xla'.")
     if cfg.data.tokenizer not in ("byte", "sentencepiece"):
         raise ValueError(f"data.tokenizer={cfg.data.tokenizer!r} must be 'byte' or 'sentencepiece'.")
     if cfg.data.sp_model is not None and cfg.data.tokenizer != "sentencepiece":

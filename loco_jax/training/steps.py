@@ -95,24 +95,27 @@ def make_optimizer(cfg: config_lib.Config, shard_dims=None, norm_dims=None):
     )
 
 
-def model_config(cfg: config_lib.Config, platform: str = "cpu") -> model_lib.ModelConfig:
-    """The model of ``cfg`` as it compiles for ``platform`` (the mesh devices' platform)."""
+def model_config(cfg: config_lib.Config, device=None) -> model_lib.ModelConfig:
+    """The model of ``cfg`` as it compiles for ``device`` (one of the mesh's; None: XLA's attention)."""
     m = cfg.model
     return model_lib.ModelConfig(
         vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers, num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads, d_ff=m.d_ff, max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings,
         scan_layers=m.scan_layers, remat=m.remat, compute_dtype=m.compute_dtype,
-        attention_impl=attention_impl(m.attention, m.compute_dtype, platform),
+        attention_impl=attention_impl(m.attention, m.compute_dtype, m.d_model // m.num_heads, device),
     )
 
 
-def attention_impl(attention: str, compute_dtype: str, platform: str) -> str | None:
-    """``implementation=`` for ``jax.nn.dot_product_attention``: "auto" takes cuDNN's fused attention on GPUs
-    in a 16-bit compute dtype (the only dtypes it takes), XLA's (None) anywhere else."""
-    if attention == "auto":
-        gpu = platform in ("gpu", "cuda")
-        return "cudnn" if gpu and compute_dtype in ("bfloat16", "float16") else None
-    return None if attention == "xla" else attention
+def attention_impl(attention: str, compute_dtype: str, head_dim: int, device=None) -> str | None:
+    """``implementation=`` for ``jax.nn.dot_product_attention``. "auto": cuDNN's fused attention where it
+    applies (an NVIDIA GPU of compute capability 8.0 or later, a 16-bit compute dtype, a head size that is
+    a multiple of 8 up to 128), XLA's (None) anywhere else; "xla" and "cudnn" choose."""
+    if attention != "auto":
+        return None if attention == "xla" else attention
+    capability = str(getattr(device, "compute_capability", "") or "0").split(".")[0]
+    gpu = getattr(device, "platform", "cpu") in ("gpu", "cuda") and capability.isdigit() and int(capability) >= 8
+    fits = compute_dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128
+    return "cudnn" if gpu and fits else None
 
 
 def loss_and_grad(grad_fn, inputs, targets, accum_steps=1):

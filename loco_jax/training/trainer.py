@@ -86,7 +86,7 @@ class Trainer:
         per_device = cfg.batch_size // n_dev
         self.accum_steps = _accum_steps(cfg, per_device, n_dev)
         self.platform = self.mesh.devices.flat[0].platform
-        self.mcfg = model_config(cfg, self.platform)
+        self.mcfg = model_config(cfg, self.mesh.devices.flat[0])
         full = model_lib.abstract_params(self.mcfg)
         # FSDP: the dimension each leaf is cut on over the data devices (refused by name before compiling)
         self.shard_dims = fsdp.shard_dims(full, self.d) if cfg.mesh.fsdp else None

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from loco_jax import quant
@@ -201,8 +202,13 @@ class QuantConfig(NamedTuple):
         return quant.decode(payload, self.bits, cols=cols, block_size=self.block_size, format=self.format)
 
     def rotation_seed(self, salt):
-        """One rotation per bucket (or fragment): the seed folded with ``salt``, the same on every device."""
-        return (self.seed * 1_000_003 + 7919 * (salt + 1)) % 2**32
+        """One rotation per bucket (or fragment): the seed folded with ``salt``, the same on every device.
+
+        ``salt`` may be traced (the layers of a scanned stack): the same value then, in uint32 arithmetic."""
+        if isinstance(salt, (int, np.integer)):
+            return (self.seed * 1_000_003 + 7919 * (salt + 1)) % 2**32
+        offset = jnp.uint32(self.seed * 1_000_003 % 2**32)
+        return offset + jnp.uint32(7919) * (jnp.asarray(salt).astype(jnp.uint32) + jnp.uint32(1))
 
     def rotate_in(self, rows, salt=0):
         """Into the rotated domain (identity when ``rotate`` is off). Rows are whole blocks."""

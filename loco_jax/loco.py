@@ -140,6 +140,41 @@ class CompressState(NamedTuple):
     error2_scale: tuple = ()
 
 
+SLOT_FIELDS = ("error", "error_scale", "error2", "error2_scale")  # one bucket's buffers: its "slot"
+STACK = "stack"  # the bucket label of a scanned stack's leaves (compress(groups=...))
+
+
+class StepInputs(NamedTuple):
+    """What an update needs besides the gradients (:meth:`Exchanger.step_inputs`)."""
+
+    t: jax.Array  # int32 []: this step's number, 1 at the first update
+    reset: jax.Array  # bool []: the error buffers are zeroed this step
+    key: Any  # this step's stochastic-rounding key
+    next_key: Any  # the key the state keeps for the next step
+
+
+class Exchanger(NamedTuple):
+    """What :func:`compress` is made of, for the in-backward exchange (:mod:`loco_jax.backward`).
+
+    ``transformation``: the optax transformation (``compress(...)`` itself). ``layout(shapes, dims,
+    labels, m)``: the buckets of full gradients of these shapes. ``bucket(b, leaves, dims, slot, inputs,
+    axes)``: one bucket's step, ``(outputs, new slot)``. ``step_inputs(state)``: :class:`StepInputs`.
+    ``slot_of(state, b)``: bucket ``b``'s error buffers. ``labels_of(treedef, n)``: the ``groups`` labels.
+    """
+
+    transformation: optax.GradientTransformationExtraArgs
+    layout: Any
+    bucket: Any
+    step_inputs: Any
+    slot_of: Any
+    labels_of: Any
+    scatter: bool
+    keep_error: bool
+    error_bits: int | None
+    axis_name: str | None
+    fast_axis: str | None
+
+
 class SkipNonfiniteState(NamedTuple):
     inner: Any
     skipped: jax.Array  # int32 []
@@ -267,7 +302,8 @@ def compress(
     preset: str = "measured",
     shard_dims=None,
     fast_axis: str | None = None,
-) -> optax.GradientTransformation:
+    groups=None,
+) -> optax.GradientTransformationExtraArgs:
     """LoCo: averages gradients over ``axis_name`` in ``bits`` bits, compensating the error.
 
     ``format``, ``rotate``, ``beta``, ``compensate`` and
@@ -320,11 +356,39 @@ def compress(
         ``axis_name`` on that 1/D shard with its error buffers (1/D the size),
         and an ``all_gather`` over ``fast_axis`` restores the whole mean. Only
         ``uint8`` crosses ``axis_name``. With ``reduce="mean"`` only.
+      groups: how leaves form buckets: ``None`` (leaves in tree order, in
+        buckets of at most ``bucket_size`` values), or a pytree with the
+        gradients' structure whose leaves are ``None`` (bucketed that way,
+        first), an ``int`` (the leaves of one number form one bucket, in
+        increasing order of the numbers) or :data:`STACK` (a scanned stack:
+        dim 0 is the layer axis and layer ``l``'s slices of every ``STACK``
+        leaf form one bucket, ``l = 0 .. L-1``, last; its error buffers are
+        stored stacked, ``(L, M, cols)``). One bucket per layer is what the
+        in-backward exchange (:mod:`loco_jax.backward`) uses; the two give
+        bit-identical results.
 
     Returns:
-      An ``optax.GradientTransformation``; ``init`` and ``update`` run inside
-      ``shard_map`` when ``axis_name`` is set.
+      An ``optax.GradientTransformationExtraArgs``; ``init`` and ``update`` run
+      inside ``shard_map`` when ``axis_name`` is set. ``update(means, state,
+      params, exchanged=candidate)`` takes gradients already exchanged in the
+      backward pass (:mod:`loco_jax.backward`) with their new error buffers,
+      and only decides (the non-finite rule) and commits.
     """
+    return _build(**locals()).transformation
+
+
+def exchanger(**kwargs) -> Exchanger:
+    """The :class:`Exchanger` of ``compress(**kwargs)`` (the same arguments): its optax transformation and
+    the per-bucket step that the in-backward exchange (:mod:`loco_jax.backward`) runs."""
+    return _build(**kwargs)
+
+
+def _build(
+    bits=4, *, beta=None, reset_every=1024, error_bits=8, block_size=quant.DEFAULT_BLOCK_SIZE, format=None,
+    rotate=None, axis_name="data", compensate=None, reduce="mean", mode="two_stage", compensate_second_stage=None,
+    stochastic_rounding=False, seed=0, nonfinite="skip", bucket_size=None, preset="measured", shard_dims=None,
+    fast_axis=None, groups=None,
+) -> Exchanger:
     resolved = settings(bits, preset, format=format, rotate=rotate, beta=beta, compensate=compensate,
                         compensate_second_stage=compensate_second_stage)
     if bits is None:  # the exact mean: nothing to compress, nothing to compensate
@@ -356,24 +420,70 @@ def compress(
     cfg = coll.QuantConfig(bits or 8, block_size, format, rotate, seed)
     scatter = reduce == "scatter"
 
-    def _layout(leaves, m, shard_shaped):
-        """Per-bucket (indices, cols of the (m, cols) rows LoCo quantizes); shard-shaped leaves count as m times
-        their size. Hierarchical: the rows are this device's 1/D shard of the bucket over ``fast_axis``."""
-        sizes = [int(leaf.size) * (m if shard_shaped else 1) for leaf in leaves]
-        groups = coll.group_leaves(sizes, bucket_size)
+    def _cols(sizes, m):
+        """Columns of the ``(m, cols)`` rows LoCo quantizes for a bucket of full gradients of these sizes.
+        Hierarchical: the rows are this device's 1/D shard of the bucket over ``fast_axis``."""
         if fast_axis is not None:
-            d = coll.axis_size(fast_axis)
-            return [(g, coll.bucket_cols([sizes[i] for i in g], d, block_size, pad_multiple=m) // m) for g in groups]
-        return [(g, coll.bucket_cols([sizes[i] for i in g], m, block_size, scatter=scatter)) for g in groups]
+            return coll.bucket_cols(sizes, coll.axis_size(fast_axis), block_size, pad_multiple=m) // m
+        return coll.bucket_cols(sizes, m, block_size, scatter=scatter)
 
-    def _splits(shape, dim, full_size):
+    def _splits(shape, dim):
         """Row ranges of dim 0 that cut one leaf into pieces of at most ``bucket_size`` values (scatter, shards
         off dim 0: each piece keeps every device's shard). One range (the whole leaf) otherwise."""
         n0 = shape[0] if shape else 1
+        full_size = int(np.prod(shape))
         if not (scatter and bucket_size is not None and dim != 0 and full_size > bucket_size and n0 > 1):
             return [(0, n0)]
         edges = np.linspace(0, n0, min(n0, -(-full_size // bucket_size)) + 1).round().astype(int)
         return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+    def labels_of(treedef, count):
+        """One bucket label per leaf (``groups``): None, a non-negative int, or STACK."""
+        if groups is None:
+            return [None] * count
+        labels, labels_def = jax.tree.flatten(groups, is_leaf=lambda x: x is None)
+        if labels_def != treedef:
+            raise ValueError(f"loco.compress: groups has structure {labels_def}, but the gradients have {treedef}; "
+                             "give one label per gradient leaf (None, an int, or loco.STACK).")
+        for label in labels:
+            if not (label is None or label == STACK or (isinstance(label, int) and not isinstance(label, bool)
+                                                         and label >= 0)):
+                raise ValueError(f"loco.compress: bucket label {label!r} is not None, a non-negative int or "
+                                 f"loco.STACK.")
+        return labels
+
+    def layout(shapes, dims, labels, m):
+        """The buckets of full gradients of these shapes: ``(flat, stack)``.
+
+        ``flat``: per bucket, ``(pieces, cols)`` with pieces ``(leaf, start, stop)`` (a dim-0 row range: the
+        whole leaf unless scatter cut it to ``bucket_size``); unlabelled leaves first, then one bucket per
+        group number. ``stack``: ``(leaves, layers, cols)`` of the STACK leaves, or None. Bucket ``b`` of
+        ``flat`` is number ``b``; layer ``l`` of the stack is number ``len(flat) + l`` (its rotation and
+        rounding keys)."""
+        def size(shape, a=0, b=None):
+            rows = (shape[0] if shape else 1) if b is None else b - a
+            return int(np.prod(shape[1:])) * rows if shape else 1
+
+        pieces = [(i, a, b) for i, label in enumerate(labels) if label is None
+                  for a, b in _splits(shapes[i], dims[i] if scatter else 0)]
+        sizes = [size(shapes[i], a, b) for i, a, b in pieces]
+        flat = [([pieces[k] for k in g], _cols([sizes[k] for k in g], m)) for g in coll.group_leaves(sizes, bucket_size)]
+        for number in sorted({label for label in labels if isinstance(label, int)}):
+            members = [i for i, label in enumerate(labels) if label == number]
+            flat.append(([(i, 0, shapes[i][0] if shapes[i] else 1) for i in members],
+                         _cols([size(shapes[i]) for i in members], m)))
+        stacked = [i for i, label in enumerate(labels) if label == STACK]
+        if not stacked:
+            return flat, None
+        depths = {shapes[i][0] if shapes[i] else None for i in stacked}
+        if len(depths) != 1 or None in depths:
+            raise ValueError(f"loco.compress: the STACK leaves must share their layer axis (dim 0); their shapes are "
+                             f"{[tuple(shapes[i]) for i in stacked]}.")
+        for i in stacked:
+            if scatter and dims[i] == 0:
+                raise ValueError(f"loco.compress: STACK leaf {i} of shape {tuple(shapes[i])} is sharded on dim 0, "
+                                 "its layer axis; shard it on another dimension (fsdp.shard_dims does).")
+        return flat, (stacked, depths.pop(), _cols([int(np.prod(shapes[i][1:])) for i in stacked], m))
 
     def _init_dims(params):
         if not scatter or shard_dims is None:
@@ -390,28 +500,32 @@ def compress(
         if not keep_error:
             return CompressState(count, count, key)
         m = coll.axis_size(axis_name)
-        leaves = jax.tree.leaves(params)
+        leaves, treedef = jax.tree.flatten(params)
         # The error buffers vary as the gradients will: over axis_name and over every axis the
         # parameters vary over (e.g. DiLoCo's replica axis), so the updates keep the parameters' type.
         device_axes = _device_axes(leaves, axis_name)
         if fast_axis is not None:  # hierarchical: each fast device keeps the errors of its own shard
             device_axes = tuple(a for a in coll.manual_axes() if a in device_axes or a == fast_axis)
 
-        def zeros(shape):
+        def zeros(shape, depth=None):
             values, scales = quant.stored_zeros(shape, error_bits, block_size=block_size)
+            if depth is not None:
+                values, scales = jax.tree.map(lambda x: jnp.broadcast_to(x, (depth,) + x.shape), (values, scales))
             return jax.tree.map(lambda x: coll.to_varying(x, device_axes), (values, scales))
 
-        if scatter:  # the pieces update will cut the full gradients into (shard_dims off dim 0)
-            leaves = [jax.ShapeDtypeStruct((b - a,) + tuple(leaf.shape[1:]), leaf.dtype)
-                      for leaf, dim in zip(leaves, _init_dims(params))
-                      for a, b in _splits(leaf.shape, dim, int(leaf.size) * m)]
+        dims = _init_dims(params)
+        shapes = [tuple(leaf.shape) for leaf in leaves]
+        if scatter:  # init receives shards: the full gradients are m times bigger on their shard dimension
+            shapes = [tuple(n * m if k == d else n for k, n in enumerate(s)) for s, d in zip(shapes, dims)]
+        flat, stack = layout(shapes, dims, labels_of(treedef, len(leaves)), m)
+        buffers = [(cols, None) for _, cols in flat] + ([(stack[2], stack[1])] if stack else [])
         error, error_scale, error2, error2_scale = [], [], [], []
-        for _, cols in _layout(leaves, m, scatter):
-            values, scales = zeros((m, cols))
+        for cols, depth in buffers:
+            values, scales = zeros((m, cols), depth)
             error.append(values)
             error_scale.append(scales)
             if compensate_second_stage:
-                values, scales = zeros((1, cols))
+                values, scales = zeros((1, cols), depth)
                 error2.append(values)
                 error2_scale.append(scales)
         return CompressState(count, count, key, tuple(error), tuple(error_scale), tuple(error2), tuple(error2_scale))
@@ -460,7 +574,113 @@ def compress(
             out.append(g.astype(_out_dtype(leaf)))
         return out
 
-    def update_fn(updates, state, params=None):
+    def step_inputs(state) -> StepInputs:
+        """What one update needs besides the gradients: ``t``, whether the errors reset, the step's rounding key."""
+        t = state.count + 1
+        reset = jnp.array(False) if reset_every is None else (t % reset_every == 0)
+        step_key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        return StepInputs(t, reset, step_key, next_key)
+
+    def bucket(b, leaves, dims, slot, inputs, axes):
+        """One bucket's LoCo step: ``(outputs, new slot)``.
+
+        ``leaves``: full local gradients (any float dtype); ``dims``: their shard dimensions (scatter);
+        ``slot``: the bucket's ``(error, error_scale, error2, error2_scale)`` (None where not kept); ``b``:
+        the bucket's number (a traced int for the layers of a stack); ``axes``: the axes whose devices
+        draw independent rounding noise. Outputs: the mean (``reduce="mean"``) or this device's shard of it.
+        """
+        m = coll.axis_size(axis_name)
+        if not quantized:
+            return _exact(leaves, m, dims), slot
+        e_values, e_scales, e2_values, e2_scales = slot
+        if fast_axis is None:
+            rows, layout_ = coll.make_bucket(leaves, m, block_size, scatter=scatter, dims=dims)
+        else:  # exact mean over the fast axis first; this device keeps its 1/D shard, viewed as (m, cols)
+            d = coll.axis_size(fast_axis)
+            fast_rows, layout_ = coll.make_bucket(leaves, d, block_size, pad_multiple=m)
+            rows = (lax.psum_scatter(fast_rows, fast_axis, scatter_dimension=0, tiled=True)[0] / d).reshape(m, -1)
+        key1 = coll.device_key(inputs.key, axes, 2 * b) if stochastic_rounding else None
+        key2 = coll.device_key(inputs.key, axes, 2 * b + 1) if stochastic_rounding else None
+        rows = cfg.rotate_in(rows, b)  # identity unless rotate; errors below live in this domain
+        if keep_error:
+            e = jnp.where(inputs.reset, 0.0, quant.load(e_values, e_scales, error_bits, block_size=block_size))
+            h = rows + e
+        else:
+            h = rows
+        if mode == "all_gather":
+            total, sent = coll.all_gather_sum(h, axis_name, cfg, key1)
+            mean_rows = total / m
+        else:
+            chunk, sent = coll.reduce_scatter_rows(h, axis_name, cfg, key1)
+            chunk = chunk / m
+        if keep_error:
+            e_values, e_scales = quant.store(beta * e + (1.0 - beta) * (h - sent), error_bits, block_size=block_size)
+        if scatter:
+            shard = coll.unbucket_shard(cfg.rotate_out(chunk[None], b)[0], layout_)
+            outs = [leaf.astype(_out_dtype(g)) for g, leaf in zip(leaves, jax.tree.leaves(shard))]
+            return outs, (e_values, e_scales, e2_values, e2_scales)
+        if mode == "two_stage":
+            if compensate_second_stage:
+                e2 = jnp.where(inputs.reset, 0.0, quant.load(e2_values, e2_scales, error_bits, block_size=block_size))
+                h2 = chunk[None] + e2
+                mean_rows, sent2 = coll.all_gather_chunk(h2[0], axis_name, cfg, key2)
+                e2_values, e2_scales = quant.store(beta * e2 + (1.0 - beta) * (h2 - sent2[None]), error_bits,
+                                                   block_size=block_size)
+            else:
+                mean_rows, _ = coll.all_gather_chunk(chunk, axis_name, cfg, key2)
+        mean_rows = cfg.rotate_out(mean_rows, b)
+        if fast_axis is not None:  # every fast device's shard of the mean, back to the whole bucket
+            mean_rows = lax.all_gather(mean_rows.reshape(1, -1), fast_axis, axis=0, tiled=True, to="invarying")
+        return jax.tree.leaves(coll.unbucket(mean_rows, layout_)), (e_values, e_scales, e2_values, e2_scales)
+
+    def slot_of(state, b):
+        """Bucket ``b``'s error buffers in ``state`` (None where this configuration keeps none)."""
+        def entry(field):
+            values = getattr(state, field)
+            return values[b] if b < len(values) else None
+        return tuple(entry(f) for f in SLOT_FIELDS)
+
+    def _exchange(leaves, dims, labels, state, inputs):
+        """Every bucket of the gradients, in order: the outputs per leaf and the new error buffers."""
+        m = coll.axis_size(axis_name)
+        flat, stack = layout([tuple(leaf.shape) for leaf in leaves], dims, labels, m)
+        axes = _device_axes(leaves, axis_name)  # noise independent wherever gradients differ (DiLoCo replicas too)
+        pieces = [[] for _ in leaves]
+        slots = []
+        previous = None
+        for b, (members, _) in enumerate(flat):
+            group = [leaves[i] if (a, z) == (0, leaves[i].shape[0] if leaves[i].ndim else 1) else leaves[i][a:z]
+                     for i, a, z in members]
+            if bucket_size is not None and previous is not None:
+                # one bucket at a time: its inputs are taken only once the previous bucket's result exists,
+                # so the fp32 working copies (conversions, transposes, rotations) of two buckets never coexist
+                group = _after(group, previous)
+            outs, slot = bucket(b, group, [dims[i] for i, _, _ in members] if scatter else None,
+                                slot_of(state, b), inputs, axes)
+            for (i, _, _), out in zip(members, outs):
+                pieces[i].append(out)
+            slots.append(slot)
+            previous = outs
+        out_leaves = [p[0] if len(p) == 1 else jnp.concatenate(p, axis=0) if p else None for p in pieces]
+        if stack is not None:
+            stacked, depth, _ = stack
+            base = len(flat)
+            layer_dims = [dims[i] - 1 for i in stacked] if scatter else None
+
+            def layer(_, xs):
+                layer_leaves, slot, index = xs
+                return None, bucket(base + index, layer_leaves, layer_dims, slot, inputs, axes)
+
+            _, (outs, slot) = lax.scan(layer, None, ([leaves[i] for i in stacked], slot_of(state, base),
+                                                     jnp.arange(depth, dtype=jnp.int32)))
+            for i, out in zip(stacked, outs):
+                out_leaves[i] = out
+            slots.append(slot)
+        new = {f: tuple(s[k] for s in slots) for k, f in enumerate(SLOT_FIELDS) if slots and slots[0][k] is not None}
+        return out_leaves, new
+
+    def update_fn(updates, state, params=None, *, exchanged=None, **extra):
+        del extra  # the arguments of other transformations in a chain
         leaves, treedef = jax.tree.flatten(updates)
         for leaf in leaves:
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -469,107 +689,45 @@ def compress(
                 )
         if axis_name is not None:
             coll.require_axis(axis_name, "loco.compress")
-            _check_grads_vary(leaves, axis_name)
         if fast_axis is not None:
             coll.require_axis(fast_axis, "loco.compress")
-            _check_grads_vary(leaves, fast_axis)
-        m = coll.axis_size(axis_name)
-        dims = _dims(treedef, leaves, params, m) if scatter else None
-        t = state.count + 1
-        reset = jnp.array(False) if reset_every is None else (t % reset_every == 0)
-        step_key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
-        # Noise independent on every device whose gradients differ (DiLoCo replicas included), without
-        # making the result vary over an axis the gradients do not vary over.
-        axes = _device_axes(leaves, axis_name)
-
-        new = dict(error=[], error_scale=[], error2=[], error2_scale=[])
-        whole = leaves  # pieces: scatter mode cuts leaves bigger than a bucket on dim 0 (each keeps its shards)
-        owner = list(range(len(leaves)))
-        if scatter:
-            cuts = [(i, a, b) for i, leaf in enumerate(leaves) for a, b in _splits(leaf.shape, dims[i], int(leaf.size))]
-            leaves = [whole[i] if (a, b) == (0, whole[i].shape[0]) else whole[i][a:b] for i, a, b in cuts]
-            owner, dims = [i for i, _, _ in cuts], [dims[i] for i, _, _ in cuts]
-        out_leaves = [None] * len(leaves)
-        previous = None
-        for b, (group, _) in enumerate(_layout(leaves, m, False)):
-            group_leaves = [leaves[i] for i in group]
-            if bucket_size is not None and previous is not None:
-                # one bucket at a time: its inputs are taken only once the previous bucket's result exists,
-                # so the fp32 working copies (conversions, transposes, rotations) of two buckets never coexist
-                group_leaves = _after(group_leaves, previous)
-            if not quantized:
-                for i, out in zip(group, _exact(group_leaves, m, [dims[i] for i in group] if scatter else None)):
-                    out_leaves[i] = out
-                previous = [out_leaves[i] for i in group]
-                continue
-            if fast_axis is None:
-                rows, bucket = coll.make_bucket(group_leaves, m, block_size, scatter=scatter,
-                                                dims=[dims[i] for i in group] if scatter else None)
-            else:  # exact mean over the fast axis first; this device keeps its 1/D shard, viewed as (m, cols)
-                d = coll.axis_size(fast_axis)
-                fast_rows, bucket = coll.make_bucket(group_leaves, d, block_size, pad_multiple=m)
-                rows = (lax.psum_scatter(fast_rows, fast_axis, scatter_dimension=0, tiled=True)[0] / d).reshape(m, -1)
-            key1 = coll.device_key(step_key, axes, 2 * b) if stochastic_rounding else None
-            key2 = coll.device_key(step_key, axes, 2 * b + 1) if stochastic_rounding else None
-            rows = cfg.rotate_in(rows, b)  # identity unless rotate; errors below live in this domain
-            if keep_error:
-                e = jnp.where(reset, 0.0, quant.load(state.error[b], state.error_scale[b], error_bits, block_size=block_size))
-                h = rows + e
-            else:
-                h = rows
-            if mode == "all_gather":
-                total, sent = coll.all_gather_sum(h, axis_name, cfg, key1)
-                mean_rows = total / m
-            else:
-                chunk, sent = coll.reduce_scatter_rows(h, axis_name, cfg, key1)
-                chunk = chunk / m
-            if keep_error:
-                values, scales = quant.store(beta * e + (1.0 - beta) * (h - sent), error_bits, block_size=block_size)
-                new["error"].append(values)
-                new["error_scale"].append(scales)
-            if scatter:
-                shard = coll.unbucket_shard(cfg.rotate_out(chunk[None], b)[0], bucket)
-                for i, leaf in zip(group, jax.tree.leaves(shard)):
-                    out_leaves[i] = leaf.astype(_out_dtype(leaves[i]))
-                previous = [out_leaves[i] for i in group]
-                continue
-            if mode == "two_stage":
-                if compensate_second_stage:
-                    e2 = jnp.where(reset, 0.0, quant.load(state.error2[b], state.error2_scale[b], error_bits, block_size=block_size))
-                    h2 = chunk[None] + e2
-                    mean_rows, sent2 = coll.all_gather_chunk(h2[0], axis_name, cfg, key2)
-                    values, scales = quant.store(beta * e2 + (1.0 - beta) * (h2 - sent2[None]), error_bits, block_size=block_size)
-                    new["error2"].append(values)
-                    new["error2_scale"].append(scales)
-                else:
-                    mean_rows, _ = coll.all_gather_chunk(chunk, axis_name, cfg, key2)
-            mean_rows = cfg.rotate_out(mean_rows, b)
-            if fast_axis is not None:  # every fast device's shard of the mean, back to the whole bucket
-                mean_rows = lax.all_gather(mean_rows.reshape(1, -1), fast_axis, axis=0, tiled=True, to="invarying")
-            for i, leaf in zip(group, jax.tree.leaves(coll.unbucket(mean_rows, bucket))):
-                out_leaves[i] = leaf
-            previous = [out_leaves[i] for i in group]
-
-        if len(out_leaves) != len(whole):  # the pieces of each cut leaf, back together on dim 0
-            parts = [[] for _ in whole]
-            for i, piece in zip(owner, out_leaves):
-                parts[i].append(piece)
-            out_leaves = [p[0] if len(p) == 1 else jnp.concatenate(p, axis=0) for p in parts]
-        leaves = whole
+        inputs = step_inputs(state)
+        if exchanged is None:
+            if axis_name is not None:
+                _check_grads_vary(leaves, axis_name)
+            if fast_axis is not None:
+                _check_grads_vary(leaves, fast_axis)
+            m = coll.axis_size(axis_name)
+            dims = _dims(treedef, leaves, params, m) if scatter else None
+            out_leaves, new = _exchange(leaves, dims, labels_of(treedef, len(leaves)), state, inputs)
+        else:  # exchanged in the backward pass (loco_jax.backward): the updates are the means already
+            out_leaves = leaves
+            new = {f: getattr(exchanged, f) for f in SLOT_FIELDS if getattr(exchanged, f)}
         # A NaN or Inf anywhere in any device's gradient reaches some device's output (sums and decoded blocks
         # propagate it), so the outputs decide: with reduce="scatter" a pass over shards, not full gradients.
         ok = global_all_finite(out_leaves)
         fill = 0.0 if nonfinite == "skip" else jnp.nan
         out_leaves = [jnp.where(ok, o, jnp.asarray(fill, o.dtype)) for o in out_leaves]
-        candidate = state._replace(
-            count=t,
-            key=jax.random.key_data(next_key),
-            **{k: tuple(v) for k, v in new.items() if v},
-        )
+        candidate = state._replace(count=inputs.t, key=jax.random.key_data(inputs.next_key), **new)
         new_state = _select(ok, candidate, state)._replace(skipped=state.skipped + (~ok).astype(jnp.int32))
         return jax.tree.unflatten(treedef, out_leaves), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return Exchanger(
+        transformation=optax.GradientTransformationExtraArgs(init_fn, update_fn), layout=layout, bucket=bucket,
+        step_inputs=step_inputs, slot_of=slot_of, labels_of=labels_of, scatter=scatter, keep_error=keep_error,
+        error_bits=error_bits, axis_name=axis_name, fast_axis=fast_axis,
+    )
+
+
+def find_state(opt_state) -> CompressState:
+    """The one :class:`CompressState` in an optimizer state (a chain's, or inside DiLoCo's, whose scalars are
+    stored with shape ``(1,)``: returned as scalars). Raises if there is not exactly one."""
+    nodes = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, CompressState))
+             if isinstance(x, CompressState)]
+    if len(nodes) != 1:
+        raise ValueError(f"expected one loco.compress state in the optimizer state, found {len(nodes)}.")
+    state = nodes[0]
+    return state._replace(count=state.count.reshape(()), skipped=state.skipped.reshape(()))
 
 
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:

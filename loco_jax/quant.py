@@ -389,7 +389,8 @@ def dequantize(codes, scales, bits, *, format="int"):
 
 def _column_signs(cols, seed):
     """+-1 for each column, a hash of (column, seed): the same on every device, nothing stored."""
-    h = lax.iota(jnp.uint32, cols) * jnp.uint32(0x9E3779B1) + jnp.uint32(seed % 2**32)
+    seed = jnp.uint32(seed % 2**32) if isinstance(seed, (int, np.integer)) else jnp.asarray(seed, jnp.uint32)
+    h = lax.iota(jnp.uint32, cols) * jnp.uint32(0x9E3779B1) + seed
     h = h ^ (h >> 16)
     h = h * jnp.uint32(0x7FEB352D)
     h = h ^ (h >> 15)

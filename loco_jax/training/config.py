@@ -108,6 +108,9 @@ class LocoFields:
     rotate: bool | None = None
     preset: str = "measured"
     bucket_size: int | None = None  # values per all-reduce bucket (whole leaves); None: one bucket
+    # True: each layer's gradient is exchanged in the backward pass as soon as it exists (one bucket per layer,
+    # the embedding and the head one each; loco_jax.backward), behind the remaining backward compute
+    in_backward: bool = False
 
 
 @dataclasses.dataclass
@@ -204,6 +207,7 @@ def with_reference_fields(saved: dict) -> dict:
     """A saved config dict with the fields an older version did not record set to what it ran with."""
     saved = json.loads(json.dumps(saved))
     saved.setdefault("model", {}).setdefault("attention", "xla")  # before model.attention: XLA's, everywhere
+    saved.setdefault("loco", {}).setdefault("in_backward", False)  # before loco.in_backward: after the backward
     for section, names in RESOLVED_FIELDS.items():
         node = saved.setdefault(section, {})
         node.setdefault("preset", "measured")

@@ -354,10 +354,13 @@ class Transformer(nnx.Module):
                 preferred_element_type=jnp.float32,
             )
 
-    def __call__(self, tokens, layer_fn=None, layer_extra=None):
+    def __call__(self, tokens, layer_fn=None, layer_extra=None, stack_fn=None):
         """``layer_fn(layer_params, extra)`` (scanned layers only) maps each layer's pure parameter dict
         inside the scan before the layer runs; ``layer_extra`` is scanned beside the layers (FSDP gathers
-        each layer's shards there, ``loco_jax.training.steps``)."""
+        each layer's shards there, ``loco_jax.training.steps``). ``stack_fn(layer, x, stack, consts)``
+        (scanned layers only) replaces the scan itself: ``layer(layer_params, h, *consts)`` is one block
+        (closing over no traced value), ``stack`` the stacked pure parameter dict; it returns the stack's
+        output (``loco_jax.backward.stack`` runs LoCo's exchange in its backward pass)."""
         cfg = self.config
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be (batch, seq), got shape {tokens.shape}.")
@@ -367,7 +370,14 @@ class Transformer(nnx.Module):
         cos, sin = rope_tables(T, cfg.head_dim, cfg.rope_theta)
         x = self.embed(tokens).astype(cfg.cdtype)
 
-        if cfg.scan_layers:
+        if cfg.scan_layers and stack_fn is not None:
+            graphdef, state = nnx.split(self.layers)
+
+            def layer(layer_params, h, cos, sin):
+                return nnx.merge(graphdef, layer_params)(h, cos, sin)
+
+            x = stack_fn(layer, x, nnx.to_pure_dict(state), (cos, sin))
+        elif cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
 
             def body(h, item):
@@ -380,8 +390,9 @@ class Transformer(nnx.Module):
                 body = jax.checkpoint(body, prevent_cse=False)
             x, _ = jax.lax.scan(body, x, (state, layer_extra))
         else:
-            if layer_fn is not None:
-                raise ValueError("layer_fn maps the layers of a scanned stack; this model has scan_layers=False.")
+            if layer_fn is not None or stack_fn is not None:
+                raise ValueError("layer_fn and stack_fn map the layers of a scanned stack; this model has "
+                                 "scan_layers=False.")
             for block in self.layers:
                 if cfg.remat:
                     graphdef, state = nnx.split(block)
@@ -428,22 +439,24 @@ def abstract_params(config: ModelConfig) -> dict:
     return params_of(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
 
 
-def apply(config: ModelConfig, params, tokens, *, layer_fn=None, layer_extra=None):
+def apply(config: ModelConfig, params, tokens, *, layer_fn=None, layer_extra=None, stack_fn=None):
     """``tokens`` int32 ``(B, T)`` -> fp32 logits ``(B, T, V)``; runs :class:`Transformer` via ``nnx.merge``.
 
     ``layer_fn``, ``layer_extra``: see :meth:`Transformer.__call__` (``params["layers"]`` may then hold
     what ``layer_fn`` turns into each layer's parameters, e.g. FSDP shards).
     """
-    return from_params(config, params)(jnp.asarray(tokens), layer_fn=layer_fn, layer_extra=layer_extra)
+    return from_params(config, params)(jnp.asarray(tokens), layer_fn=layer_fn, layer_extra=layer_extra,
+                                       stack_fn=stack_fn)
 
 
-def loss_fn(config: ModelConfig, params, tokens, targets, mask=None, *, layer_fn=None, layer_extra=None):
+def loss_fn(config: ModelConfig, params, tokens, targets, mask=None, *, layer_fn=None, layer_extra=None,
+            stack_fn=None):
     """Mean next-token cross-entropy (fp32): ``targets[b, t]`` is the label of position ``t``.
 
     ``mask`` (same shape as ``targets``, bool or 0/1) weights positions; the mean
     is over the masked-in positions (0 when none are).
     """
-    logits = apply(config, params, tokens, layer_fn=layer_fn, layer_extra=layer_extra)
+    logits = apply(config, params, tokens, layer_fn=layer_fn, layer_extra=layer_extra, stack_fn=stack_fn)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     if mask is None:
         return jnp.mean(ce)

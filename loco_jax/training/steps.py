@@ -22,7 +22,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import diloco, fsdp, loco, specs
+from loco_jax import backward, diloco, fsdp, loco, specs
 from loco_jax.training import config as config_lib
 from loco_jax.training import model as model_lib
 
@@ -57,26 +57,46 @@ def learning_rate_schedule(cfg: config_lib.Config):
     )
 
 
-def make_optimizer(cfg: config_lib.Config, shard_dims=None, norm_dims=None):
+def bucket_groups(params, scan_layers: bool):
+    """The buckets of the in-backward exchange (``compress(groups=...)``): the embedding alone (0), the final
+    norm and output head (1), then one bucket per layer (unrolled layer ``i``: ``2 + i``; a scanned stack:
+    :data:`loco_jax.loco.STACK`). The head's gradient exists first in the backward pass, the embedding's
+    last."""
+    def label(path, _):
+        top = path[0].key
+        if top == "layers":
+            return loco.STACK if scan_layers else 2 + int(path[1].key)
+        return 0 if top == "embed" else 1
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def make_exchanger(cfg: config_lib.Config, shard_dims=None, groups=None) -> loco.Exchanger:
+    """``loco.compress`` of the config on ``data`` (its :class:`loco_jax.loco.Exchanger`); ``groups``: the
+    in-backward buckets (:func:`bucket_groups`), None for the config's ``bucket_size`` buckets."""
+    c = cfg.loco
+    return loco.exchanger(
+        bits=c.bits, beta=c.beta, compensate=c.compensate, error_bits=c.error_bits, block_size=c.block_size,
+        reset_every=c.reset_every, compensate_second_stage=c.compensate_second_stage, axis_name="data",
+        format=c.format, rotate=c.rotate, preset=c.preset, seed=cfg.seed, bucket_size=c.bucket_size,
+        **(dict(reduce="scatter", shard_dims=shard_dims) if shard_dims is not None else {}),
+        **(dict(fast_axis="local") if cfg.mesh.local > 1 else {}), groups=groups,
+    )
+
+
+def make_optimizer(cfg: config_lib.Config, shard_dims=None, norm_dims=None, groups=None):
     """The step's optax transformation: LoCo (or exact mean) on ``data``, clip, AdamW; DiLoCo outside.
 
     ``shard_dims`` (FSDP, :func:`loco_jax.fsdp.shard_dims`): LoCo reduce-scatters to those shards, clipping
     takes the norm over every shard, and DiLoCo exchanges each device's own shard over ``replica``.
     ``norm_dims`` (replicated layout): the shards FSDP would cut; clipping squares each device's own one of
     them and sums over ``data``, so switching FSDP on or off leaves the clipping norm bit-identical
-    (:func:`loco_jax.fsdp.clip_by_global_norm`). None: ``optax.clip_by_global_norm``.
+    (:func:`loco_jax.fsdp.clip_by_global_norm`). None: ``optax.clip_by_global_norm``. ``groups``: LoCo's
+    buckets (:func:`bucket_groups` for the in-backward exchange).
     """
-    o, c = cfg.optim, cfg.loco
+    o = cfg.optim
     sharded = shard_dims is not None
-    parts = [
-        loco.compress(
-            c.bits, beta=c.beta, compensate=c.compensate, error_bits=c.error_bits, block_size=c.block_size,
-            reset_every=c.reset_every, compensate_second_stage=c.compensate_second_stage, axis_name="data",
-            format=c.format, rotate=c.rotate, preset=c.preset, seed=cfg.seed, bucket_size=c.bucket_size,
-            **(dict(reduce="scatter", shard_dims=shard_dims) if sharded else {}),
-            **(dict(fast_axis="local") if cfg.mesh.local > 1 else {}),
-        )
-    ]
+    parts = [make_exchanger(cfg, shard_dims, groups).transformation]
     if o.grad_clip is not None:
         if sharded or norm_dims is not None:
             parts.append(fsdp.clip_by_global_norm(o.grad_clip, "data", slice_dims=norm_dims))
@@ -118,15 +138,17 @@ def attention_impl(attention: str, compute_dtype: str, head_dim: int, device=Non
     return "cudnn" if gpu and fits else None
 
 
-def loss_and_grad(grad_fn, inputs, targets, accum_steps=1):
+def loss_and_grad(grad_fn, inputs, targets, accum_steps=1, *, mean=True):
     """Mean loss and its gradient over ``inputs``, in ``accum_steps`` micro-batches of equal size.
 
     ``grad_fn(x, y) -> (loss, grads)`` (:func:`local_grad_fn`). The micro-batches' gradients are summed in
     fp32 (the first one starts the sum, so its type is the gradient's own) and divided by
-    ``accum_steps``: the mean gradient of the whole batch.
+    ``accum_steps``: the mean gradient of the whole batch. ``mean=False``: the sums, undivided (fp32 even
+    for one micro-batch).
     """
     if accum_steps == 1:
-        return grad_fn(inputs, targets)
+        loss, grads = grad_fn(inputs, targets)
+        return (loss, grads) if mean else (loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads))
     xs, ys = (a.reshape((accum_steps, -1) + a.shape[1:]) for a in (inputs, targets))
     loss, grads = grad_fn(xs[0], ys[0])
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
@@ -137,6 +159,8 @@ def loss_and_grad(grad_fn, inputs, targets, accum_steps=1):
         return (loss_sum + l, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g)), None
 
     (loss, grads), _ = lax.scan(body, (loss, grads), (xs[1:], ys[1:]))
+    if not mean:
+        return loss, grads
     return loss / accum_steps, jax.tree.map(lambda g: g / accum_steps, grads)
 
 
@@ -241,16 +265,103 @@ def eval_loss(mcfg, params, inputs, targets, shard_dims=None):
     return model_lib.loss_fn(mcfg, full, inputs, targets)
 
 
-def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shard_dims=None, accum_steps=1):
-    """One step inside ``shard_map``: loss, gradient (no hidden psum), the optimizer, new params."""
-    loss, grads = loss_and_grad(local_grad_fn(mcfg, params, shard_dims), inputs, targets, accum_steps)
+def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs, targets, accum_steps=1,
+                            shard_dims=None):
+    """Mean loss, the exchanged mean gradient, LoCo's candidate state and the local gradient's square norm,
+    with each bucket exchanged in the backward pass (:mod:`loco_jax.backward`).
+
+    ``ex``: the exchanger of the step's ``loco.compress``, built with ``groups=``:func:`bucket_groups`;
+    ``loco_state``: its current state. The first ``accum_steps - 1`` micro-batches are summed locally in fp32
+    as :func:`loss_and_grad` sums them; the last one's backward pass adds each bucket's sum and exchanges
+    it (``(sum + g) / accum_steps``): the same numbers as ``loss_and_grad`` followed by ``compress``.
+    Returns ``(loss, means, candidate, grad_sq)``: ``means`` shaped like ``params`` (FSDP: shards),
+    ``candidate`` a :class:`loco_jax.loco.CompressState` holding the new error buffers (for
+    ``update(..., exchanged=candidate)``, which decides and commits).
+    """
+    axes = _data_axes()
+    leaves, treedef = jax.tree.flatten(params)
+    labels = ex.labels_of(treedef, len(leaves))
+    if any(label is None for label in labels):
+        raise ValueError("the in-backward exchange needs every parameter in a bucket group (loco.compress(groups=)).")
+    n = lax.axis_size("data")
+    dims = jax.tree.leaves(shard_dims) if shard_dims is not None else [0] * len(leaves)
+    full_shapes = [_full_shape(x.shape, d, n) if shard_dims is not None else tuple(x.shape)
+                   for x, d in zip(leaves, dims)]
+    flat, stack = ex.layout(full_shapes, dims, labels, n)
+    scatter = shard_dims is not None
+    loss_sum, acc = None, None
+    if accum_steps > 1:
+        xs, ys = (a.reshape((accum_steps, -1) + a.shape[1:]) for a in (inputs, targets))
+        loss_sum, acc = loss_and_grad(local_grad_fn(mcfg, params, shard_dims), xs[:-1].reshape((-1,) + xs.shape[2:]),
+                                      ys[:-1].reshape((-1,) + ys.shape[2:]), accum_steps - 1, mean=False)
+        acc = jax.tree.leaves(acc)
+        inputs, targets = xs[-1], ys[-1]
+    step = ex.step_inputs(loco_state)
+    views = [backward.as_cotangent(ex.slot_of(loco_state, b)) for b in range(len(flat) + (stack is not None))]
+    sq = [specs.to_varying(jnp.zeros((stack[1],) if stack is not None and b == len(flat) else (), jnp.float32),
+                           specs.manual_axes()) for b in range(len(views))]
+
+    def gathered(xs, xdims):
+        if not scatter:
+            return _varying(xs, axes)
+        return _varying(fsdp.gather(xs, xdims, "data", dtype=mcfg.cdtype), axes)
+
+    def loss(params, views, sq):
+        used = jax.tree.leaves(params)
+        for b, (members, _) in enumerate(flat):
+            idx = [i for i, _, _ in members]
+            group_dims = [dims[i] for i in idx] if scatter else None
+            use = backward.group(ex, b, lambda xs, d=group_dims: gathered(xs, d), group_dims, accum_steps)
+            for i, full in zip(idx, use([used[i] for i in idx], views[b], sq[b],
+                                        None if acc is None else [acc[i] for i in idx], step)):
+                used[i] = full
+        stack_fn = None
+        if stack is not None:
+            base, stacked = len(flat), stack[0]
+            layer_dims = jax.tree.map(lambda d: d - 1, shard_dims["layers"]) if scatter else None
+            layer_acc = None if acc is None else jax.tree.unflatten(jax.tree.structure(params["layers"]),
+                                                                     [acc[i] for i in stacked])
+            run_dims = [dims[i] - 1 for i in stacked] if scatter else None
+
+            def stack_fn(layer, x, stack_params, consts):
+                run = backward.stack(ex, base, lambda p: gathered(p, layer_dims), run_dims, accum_steps, layer,
+                                     remat=mcfg.remat)
+                return run(x, stack_params, views[base], sq[base], layer_acc, step, consts)
+
+        return model_lib.loss_fn(mcfg, jax.tree.unflatten(treedef, used), inputs, targets, stack_fn=stack_fn)
+
+    value, (means, new_views, sq) = jax.value_and_grad(loss, argnums=(0, 1, 2))(params, views, sq)
+    if loss_sum is not None:
+        value = (loss_sum + value) / accum_steps
+    slots = [backward.from_views(ex, v) for v in new_views]
+    new = {f: tuple(slot[k] for slot in slots) for k, f in enumerate(loco.SLOT_FIELDS)
+           if slots and slots[0][k] is not None}
+    grad_sq = sum(jnp.sum(x) for x in sq)
+    return value, means, loco_state._replace(**new), grad_sq
+
+
+def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shard_dims=None, accum_steps=1,
+               exchanger=None):
+    """One step inside ``shard_map``: loss, gradient (no hidden psum), the optimizer, new params.
+
+    ``exchanger``: LoCo's exchange runs in the backward pass, one bucket per layer
+    (:func:`exchanged_loss_and_grad`; ``tx`` must hold that exchanger's ``compress``); None: after it.
+    """
     extra = {} if phase is None else {"phase": phase}
-    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    if exchanger is None:
+        loss, grads = loss_and_grad(local_grad_fn(mcfg, params, shard_dims), inputs, targets, accum_steps)
+        updates, opt_state = tx.update(grads, opt_state, params, **extra)
+        # squares in the gradient's dtype, summed in fp32: no fp32 copy of a gradient-sized leaf is made
+        grad_sq = sum(loco.reduce_leaf(lambda x: jnp.sum(jnp.square(x), dtype=jnp.float32), g)
+                      for g in jax.tree.leaves(grads))
+        n = float(sum(g.size for g in jax.tree.leaves(grads)))  # a Python float: 8B values overflow int32
+    else:
+        loss, means, candidate, grad_sq = exchanged_loss_and_grad(
+            mcfg, exchanger, params, loco.find_state(opt_state), inputs, targets, accum_steps, shard_dims)
+        updates, opt_state = tx.update(means, opt_state, params, exchanged=candidate, **extra)
+        parts = 1 if shard_dims is None else lax.axis_size("data")
+        n = float(sum(x.size for x in jax.tree.leaves(params))) * parts
     params = optax.apply_updates(params, updates)
-    # squares in the gradient's dtype, summed in fp32: no fp32 copy of a gradient-sized leaf is made
-    grad_sq = sum(loco.reduce_leaf(lambda x: jnp.sum(jnp.square(x), dtype=jnp.float32), g)
-                  for g in jax.tree.leaves(grads))
-    n = float(sum(g.size for g in jax.tree.leaves(grads)))  # a Python float: 8B values overflow int32
     grad_rms = jnp.sqrt(grad_sq / n)  # this device's local gradient
     return params, opt_state, replica_metrics({"loss": loss, "grad_rms": grad_rms})
 

@@ -90,7 +90,13 @@ class Trainer:
         full = model_lib.abstract_params(self.mcfg)
         # FSDP: the dimension each leaf is cut on over the data devices (refused by name before compiling)
         self.shard_dims = fsdp.shard_dims(full, self.d) if cfg.mesh.fsdp else None
-        self.tx = make_optimizer(cfg, self.shard_dims, norm_dims=self._norm_dims(full))
+        if cfg.loco.in_backward and cfg.mesh.local > 1:
+            raise ValueError(f"loco.in_backward=True does not combine with mesh.local={cfg.mesh.local} (the "
+                             "hierarchical all-reduce); set one of them off.")
+        # in-backward: one LoCo bucket per layer, exchanged as the backward pass produces it
+        groups = steps.bucket_groups(full, self.mcfg.scan_layers) if cfg.loco.in_backward else None
+        self.exchanger = steps.make_exchanger(cfg, self.shard_dims, groups) if cfg.loco.in_backward else None
+        self.tx = make_optimizer(cfg, self.shard_dims, norm_dims=self._norm_dims(full), groups=groups)
         leading = "replica" if cfg.diloco.enabled else None
         if self.shard_dims is not None:
             self.param_specs = fsdp.partition_specs(self.shard_dims, "data", leading=leading)
@@ -178,7 +184,8 @@ class Trainer:
         if phase not in self._programs:
             def fn(p, s, x, y):
                 p, s, metrics = steps.train_step(self.tx, self.mcfg, p, s, x, y, phase=phase,
-                                                 shard_dims=self.shard_dims, accum_steps=self.accum_steps)
+                                                 shard_dims=self.shard_dims, accum_steps=self.accum_steps,
+                                                 exchanger=self.exchanger)
                 # copies of the skip counts beside the metrics: the state itself is donated to the next step
                 return p, s, dict(metrics, **self._counts(s))
             specs = self.specs

@@ -1,0 +1,198 @@
+"""LoCo inside the backward pass: each bucket's gradient is compressed and exchanged as soon as it exists.
+
+:func:`loco_jax.loco.compress` is an optax transformation: it starts once ``jax.grad`` has returned the
+whole gradient, so its collectives wait for the whole backward pass. Here the same per-bucket step
+(:class:`loco_jax.loco.Exchanger`) runs *in* the backward pass, one bucket per layer, so the exchange of
+layer ``l`` can run behind the backward compute of layers ``l-1 ... 0``. With the same buckets
+(``compress(groups=...)``: one bucket per labelled group, one per layer of a scanned stack) the two give
+bit-identical means and error buffers.
+
+How a bucket is exchanged in the backward pass. A bucket's parameters ``p`` enter the loss through a
+``custom_vjp`` function ``use(p, e, s) = prepare(p)``: ``prepare`` casts replicated parameters to varying
+over the data axes (the README's step recipe) or all-gathers FSDP shards in the compute dtype. Its
+backward rule receives the bucket's full local gradient ``g`` (summed with the earlier micro-batches'
+``a``: ``g = (a + g) / n`` on the last of ``n``) and returns::
+
+    d/dp  = LoCo mean of g (reduce="mean") or this device's shard of it (reduce="scatter")
+    d/de  = the bucket's new error buffers       (e: its stored errors, passed in as an input)
+    d/ds  = sum(g * g) on this device            (s: a zero scalar; the local gradient's square norm)
+
+so one ``jax.value_and_grad`` returns the means, the candidate error buffers and the square norm: the
+pattern of flax's fp8 scales (``OVERWRITE_WITH_GRADIENT``), with the 8-bit error codes carried through
+``float32`` cotangents as bit patterns (:func:`as_cotangent`; nothing adds or scales them on the way).
+Nothing is committed there: :func:`loco_jax.loco.compress`'s ``update(..., exchanged=...)`` decides the
+non-finite rule on the means, once per step, and keeps the old state on a skipped step.
+
+A scanned stack (:func:`stack`) gets its own backward scan: layer ``l``'s forward is recomputed from its
+saved input (as ``remat`` does), its vector-Jacobian product taken, and layer ``l+1``'s gradient,
+carried from the previous iteration, exchanged in the same iteration, so that each iteration's
+collectives have the layer's backward compute to run under (a collective inside a loop body cannot
+overlap the next iteration's compute otherwise). Layer ``L-1``'s product is taken before the loop and
+layer 0's exchange after it. Outputs and new errors are written in place into ``(L, ...)`` buffers.
+
+What it costs and excludes: under ``remat`` the stack's forward is recomputed in the backward pass (as
+``jax.checkpoint`` does), else each layer's residuals are saved (as a plain scan does); a bucket is a whole group of
+leaves (no ``bucket_size`` splitting inside it); every leaf must be labelled (an int or
+:data:`loco_jax.loco.STACK`); the hierarchical ``fast_axis`` all-reduce is not supported. With gradient
+accumulation only the last micro-batch's backward pass carries the exchange (compressing once per step
+needs the sum of all of them), and the earlier micro-batches' full-size fp32 sum is kept as before.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from loco_jax import loco, specs
+
+
+def as_cotangent(slot):
+    """A bucket's error buffers as float32 arrays (uint8 codes bit-cast four to a value), so that they can
+    travel as cotangents. Inverse: :func:`from_views`."""
+    def one(x):
+        if x is None or x.dtype != jnp.uint8:
+            return x
+        return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (x.shape[-1] // 4, 4)), jnp.float32)
+    return tuple(one(x) for x in slot)
+
+
+def from_views(ex: loco.Exchanger, slot_f):
+    """The stored error buffers from their cotangent views (:func:`as_cotangent`'s inverse)."""
+    if ex.error_bits is None:
+        return tuple(slot_f)
+    codes = lambda x: None if x is None else lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[:-1] + (-1,))
+    values, scales, values2, scales2 = slot_f
+    return codes(values), scales, codes(values2), scales2
+
+
+def _accumulate(grads, acc, count):
+    if acc is None:
+        return grads
+    return [(a + g.astype(jnp.float32)) / count for a, g in zip(acc, grads)]
+
+
+def _square_norm(grads):
+    return sum(jnp.sum(jnp.square(g), dtype=jnp.float32) for g in grads)
+
+
+def _typed_like(x, ref):
+    """``x`` cast to varying over every axis ``ref`` varies over (a cotangent must have its primal's type)."""
+    return specs.to_varying(x, specs.varying_axes(ref))
+
+
+def group(ex: loco.Exchanger, b: int, prepare: Callable, dims, count: int):
+    """The ``custom_vjp`` use of bucket ``b``'s leaves: ``use(leaves, slot_f, sq, acc, inputs) -> prepare(leaves)``.
+
+    ``leaves``: the bucket's parameters (a list); ``dims``: their shard dimensions (scatter) or None;
+    ``slot_f``: the bucket's error buffers as cotangent carriers (:func:`as_cotangent`); ``sq``: a zero
+    scalar varying over the data axes; ``acc``: the earlier micro-batches' fp32 sums or None; ``count``:
+    micro-batches per step; ``inputs``: :class:`loco_jax.loco.StepInputs`. Cotangents: the exchanged
+    mean (or shard) for ``leaves``, the new error buffers for ``slot_f``, ``sum(g^2)`` for ``sq``.
+    """
+
+    @jax.custom_vjp
+    def use(leaves, slot_f, sq, acc, inputs):
+        del slot_f, sq, acc, inputs
+        return prepare(leaves)
+
+    def fwd(leaves, slot_f, sq, acc, inputs):
+        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+        return prepare(leaves), (slot_f, acc, inputs, shapes, sq)
+
+    def bwd(res, ct):
+        slot_f, acc, inputs, shapes, sq = res
+        grads = _accumulate(list(ct), acc, count)
+        axes = loco._device_axes(grads, ex.axis_name)
+        outs, slot = ex.bucket(b, grads, dims, from_views(ex, slot_f), inputs, axes)
+        outs = [o.astype(s.dtype) for o, s in zip(outs, shapes)]
+        return outs, _view_like(slot, slot_f), _typed_like(_square_norm(grads), sq), None, None
+
+    use.defvjp(fwd, bwd)
+    return use
+
+
+def _view_like(slot, slot_f):
+    """A new slot as cotangent views typed like the views it replaces."""
+    return tuple(None if x is None else _typed_like(v, x)
+                 for v, x in zip(as_cotangent(slot), slot_f))
+
+
+def _index(tree, i):
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, layer: Callable, *,
+          remat: bool = True):
+    """The scanned stack with its exchange in the backward pass:
+    ``run(h, params, slot_f, sq, acc, inputs, consts) -> h_out``.
+
+    ``layer(full_params, h, *consts) -> h`` is one layer (it must close over no traced value: pass them in
+    ``consts``); ``prepare`` maps a layer's slice of ``params`` (shards or replicated parameters) to its
+    full parameters; ``dims``: the layer slices' shard dimensions (scatter) or None. ``params``, ``acc``
+    (or None) and the slot views (``(L, M, cols)``) have the layer axis first; layer ``l`` is bucket
+    ``base + l``. ``sq`` has shape ``(L,)``. Cotangents as in :func:`group`, per layer. ``remat``: the
+    forward pass saves only each layer's input and the backward pass recomputes the layer; False: it saves
+    each layer's residuals (its ``jax.vjp``), as a scan without ``jax.checkpoint`` does.
+    """
+
+    @jax.custom_vjp
+    def run(h, params, slot_f, sq, acc, inputs, consts):
+        del slot_f, sq, acc, inputs
+        out, _ = lax.scan(lambda c, p: (layer(prepare(p), c, *consts), None), h, params)
+        return out
+
+    def fwd(h, params, slot_f, sq, acc, inputs, consts):
+        def body(c, p):
+            if remat:
+                return layer(prepare(p), c, *consts), c
+            return jax.vjp(lambda f, x: layer(f, x, *consts), prepare(p), c)  # (output, its residuals)
+        out, saved = lax.scan(body, h, params)
+        return out, (saved, params, slot_f, sq, acc, inputs, consts)
+
+    def bwd(res, ct_out):
+        saved, params, slot_f, sq, acc, inputs, consts = res
+        depth = jax.tree.leaves(params)[0].shape[0]
+
+        def backward(i, ct):
+            """Layer i's vector-Jacobian product: (its full local gradient leaves, the cotangent of its input)."""
+            if remat:
+                _, vjp = jax.vjp(lambda f, c: layer(f, c, *consts), prepare(_index(params, i)), _index(saved, i))
+            else:
+                vjp = _index(saved, i)
+            g_full, ct_in = vjp(ct)
+            return jax.tree.leaves(g_full), ct_in
+
+        def exchange(i, grads, bufs):
+            """Layer i's bucket step, written into the output buffers."""
+            out_buf, slot_buf, sq_buf = bufs
+            grads = _accumulate(grads, None if acc is None else jax.tree.leaves(_index(acc, i)), count)
+            axes = loco._device_axes(grads, ex.axis_name)
+            outs, slot = ex.bucket(base + i, grads, dims, from_views(ex, _index(slot_f, i)), inputs, axes)
+            out_leaves = jax.tree.leaves(out_buf)
+            out_leaves = [lax.dynamic_update_index_in_dim(buf, o.astype(buf.dtype), i, 0)
+                          for buf, o in zip(out_leaves, outs)]
+            views = as_cotangent(slot)
+            slot_buf = tuple(None if buf is None else lax.dynamic_update_index_in_dim(buf, _typed_like(v, buf), i, 0)
+                             for buf, v in zip(slot_buf, views))
+            sq_buf = lax.dynamic_update_index_in_dim(sq_buf, _typed_like(_square_norm(grads), sq_buf)[None], i, 0)
+            return jax.tree.unflatten(jax.tree.structure(out_buf), out_leaves), slot_buf, sq_buf
+
+        zeros = lambda ref: _typed_like(jnp.zeros(ref.shape, ref.dtype), ref)
+        bufs = (jax.tree.map(zeros, params), tuple(None if x is None else zeros(x) for x in slot_f), zeros(sq))
+        pending, ct = backward(depth - 1, ct_out)
+
+        def body(carry, i):
+            ct, pending, bufs = carry
+            bufs = exchange(i + 1, pending, bufs)  # the layer above, behind this layer's backward compute
+            pending, ct = backward(i, ct)
+            return (ct, pending, bufs), None
+
+        (ct, pending, bufs), _ = lax.scan(body, (ct, pending, bufs), jnp.arange(depth - 2, -1, -1, dtype=jnp.int32))
+        out_buf, slot_buf, sq_buf = exchange(jnp.int32(0), pending, bufs)
+        return ct, out_buf, slot_buf, sq_buf, None, None, jax.tree.map(jnp.zeros_like, consts)
+
+    run.defvjp(fwd, bwd)
+    return run

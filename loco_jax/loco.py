@@ -262,6 +262,24 @@ def global_all_finite(tree, axes=None):
     return flag.astype(bool)
 
 
+def _rounded(x, never):
+    """``x``, rounded as its own operation: a select on ``never`` (a flag that is always false but that the
+    compiler cannot fold) stands between ``x`` and whatever consumes it.
+
+    XLA:CPU contracts a product and a sum that share a fusion into one fused multiply-add, and whether it
+    does depends on how the rest of the program is fused: the same error buffers came out one rounding
+    apart from ``compress`` and from the in-backward exchange (a decoded payload ``code * scale``
+    subtracted from the compensated gradient, the two products of the moving average). With the select,
+    every program rounds the product first.
+    """
+    return jnp.where(never, jnp.zeros((), x.dtype), x)
+
+
+def _moving_average(old, new, beta, never):
+    """``beta * old + (1 - beta) * new``, each product rounded before the sum (:func:`_rounded`)."""
+    return _rounded(beta * old, never) + _rounded((1.0 - beta) * new, never)
+
+
 def _select(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
@@ -614,7 +632,9 @@ def _build(
             chunk, sent = coll.reduce_scatter_rows(h, axis_name, cfg, key1)
             chunk = chunk / m
         if keep_error:
-            e_values, e_scales = quant.store(beta * e + (1.0 - beta) * (h - sent), error_bits, block_size=block_size)
+            never = inputs.t < 0  # see _rounded
+            e_values, e_scales = quant.store(_moving_average(e, h - _rounded(sent, never), beta, never), error_bits,
+                                             block_size=block_size)
         if scatter:
             shard = coll.unbucket_shard(cfg.rotate_out(chunk[None], b)[0], layout_)
             outs = [leaf.astype(_out_dtype(g)) for g, leaf in zip(leaves, jax.tree.leaves(shard))]
@@ -624,7 +644,9 @@ def _build(
                 e2 = jnp.where(inputs.reset, 0.0, quant.load(e2_values, e2_scales, error_bits, block_size=block_size))
                 h2 = chunk[None] + e2
                 mean_rows, sent2 = coll.all_gather_chunk(h2[0], axis_name, cfg, key2)
-                e2_values, e2_scales = quant.store(beta * e2 + (1.0 - beta) * (h2 - sent2[None]), error_bits,
+                never = inputs.t < 0  # see _rounded
+                e2_values, e2_scales = quant.store(
+                    _moving_average(e2, h2 - _rounded(sent2[None], never), beta, never), error_bits,
                                                    block_size=block_size)
             else:
                 mean_rows, _ = coll.all_gather_chunk(chunk, axis_name, cfg, key2)
@@ -727,7 +749,8 @@ def find_state(opt_state) -> CompressState:
     if len(nodes) != 1:
         raise ValueError(f"expected one loco.compress state in the optimizer state, found {len(nodes)}.")
     state = nodes[0]
-    return state._replace(count=state.count.reshape(()), skipped=state.skipped.reshape(()))
+    scalar = lambda x: x.reshape(()) if hasattr(x, "reshape") else x  # (abstract states stay as they are)
+    return state._replace(count=scalar(state.count), skipped=scalar(state.skipped))
 
 
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:

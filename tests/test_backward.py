@@ -1,0 +1,124 @@
+"""LoCo inside the backward pass (loco_jax.backward, loco.in_backward): the same numbers as loco.compress with
+the same buckets, the non-finite rule, and only uint8 gradient payloads in the compiled step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from loco_jax import backward, hlo, loco
+from loco_jax.training import config as config_lib
+from loco_jax.training.trainer import Trainer
+from tests.test_trainer import quiet
+
+
+def _config(**overrides):
+    cfg = config_lib.Config(steps=12, batch_size=16, seq_len=32, eval_every=6, eval_batches=1, log_every=2,
+                            checkpoint_every=6, sample_tokens=0)
+    m = cfg.model
+    m.d_model, m.num_layers, m.num_heads, m.d_ff, m.max_seq_len, m.compute_dtype = 32, 3, 2, 96, 32, "float32"
+    cfg.optim.warmup_steps = 2
+    cfg.mesh.replicas, cfg.diloco.enabled = 1, False
+    cfg.loco.bits, cfg.loco.in_backward = 4, True
+    return config_lib.override(cfg, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def _capture():
+    """The last transformation of the chain: keeps the updates it receives in its state, applies nothing (so
+    the comparison sees LoCo's own output, not an optimizer's arithmetic after it)."""
+    return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
+                                        lambda u, s, p=None: (jax.tree.map(jnp.zeros_like, u), u))
+
+
+def _run(cfg, in_backward, steps=3):
+    t = Trainer(cfg, "/nonexistent", log=quiet)
+    t.tx = loco.skip_nonfinite(optax.chain(t.exchanger.transformation, _capture()))
+    if not in_backward:
+        t.exchanger = None  # the same compress (same buckets), run on the whole gradient after jax.grad
+    state = t.init_state()
+    rng = np.random.default_rng(0)
+    sharding = jax.sharding.NamedSharding(t.mesh, t.batch_spec)
+    for _ in range(steps):
+        x, y = (jax.device_put(jnp.asarray(rng.integers(0, 256, (16, 32)), jnp.int32), sharding) for _ in range(2))
+        p, s, _ = t.program(None, state, (x, y))(state.params, state.opt_state, x, y)
+        state = type(state)(p, s)
+    return state
+
+
+CELLS = {
+    "dp-unrolled-4bit": {},
+    "dp-scanned-remat-2bit": {"model.scan_layers": True, "model.remat": True, "loco.bits": 2},
+    "dp-scanned-8bit-accum": {"model.scan_layers": True, "loco.bits": 8, "accum_steps": 2},
+    "fsdp-scanned-remat-4bit-accum": {"mesh.fsdp": True, "model.scan_layers": True, "model.remat": True,
+                                      "accum_steps": 2},
+    "fsdp-unrolled-1bit": {"mesh.fsdp": True, "loco.bits": 1},
+}
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_in_backward_exchange_is_bit_identical_to_compress_with_the_same_buckets(cell):
+    """Three steps (the error buffers non-zero from the second): the exchanged means LoCo hands the optimizer
+    and every error buffer agree to the bit, for data parallel and FSDP, unrolled and scanned layers, with
+    and without remat and accumulation, at the per-bit defaults (rotated Lloyd-Max at 4 and 2 bits, the
+    reference absmax int8, the rotated 1-bit sign)."""
+    cfg = _config(**CELLS[cell])
+    got, want = _run(cfg, True), _run(cfg, False)
+    errors = loco.find_state(want.opt_state).error
+    if config_lib.resolve(cfg).loco.compensate:  # the comparison covers non-trivial error buffers
+        assert errors and all(np.asarray(e).std() > 0 for e in errors)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_scanned_stack_keeps_its_errors_stacked_and_its_buckets_per_layer():
+    t = Trainer(_config(**{"model.scan_layers": True}), "/nonexistent", log=quiet)
+    state = t.abstract_state()
+    errors = loco.find_state(state.opt_state).error
+    # the embedding, the head, then the stack: (L, M, cols) on each device, L = 3 layers, M = 8 devices
+    assert len(errors) == 3
+    assert [e.sharding.shard_shape(e.shape)[:-1] for e in errors] == [(8,), (8,), (3, 8)]
+
+
+def test_an_exchanged_non_finite_mean_skips_the_step_and_keeps_the_state():
+    """``update(..., exchanged=candidate)`` decides the non-finite rule on the means, once, before any state
+    changes: a NaN leaves the old error buffers and count, and counts one skipped step."""
+    tx = loco.compress(4, axis_name=None, groups={"a": 0, "b": 1})
+    params = {"a": jnp.ones((4, 64)), "b": jnp.ones((256,))}
+    state = tx.init(params)
+    candidate = state._replace(error=tuple(e + 1 for e in state.error))
+    means = {"a": jnp.ones((4, 64)).at[0, 0].set(jnp.nan), "b": jnp.ones((256,))}
+    updates, new = tx.update(means, state, params, exchanged=candidate)
+    assert int(new.skipped) == 1 and int(new.count) == 0
+    assert all(np.array_equal(a, b) for a, b in zip(new.error, state.error))
+    assert all(float(jnp.abs(u).sum()) == 0 for u in jax.tree.leaves(updates))
+    updates, new = tx.update(jax.tree.map(jnp.ones_like, means), state, params, exchanged=candidate)
+    assert int(new.skipped) == 0 and int(new.count) == 1
+    assert all(np.array_equal(a, b) for a, b in zip(new.error, candidate.error))
+
+
+def test_error_codes_travel_as_cotangents_bit_for_bit():
+    codes = jnp.asarray(np.random.default_rng(0).integers(0, 256, (3, 8, 512)), jnp.uint8)
+    scales = jnp.asarray(np.random.default_rng(1).normal(size=(3, 8, 2)), jnp.float32)
+    views = backward.as_cotangent((codes, scales, None, None))
+    assert views[0].dtype == jnp.float32 and views[0].shape == (3, 8, 128)
+    ex = loco.exchanger(bits=4, axis_name=None)
+    back = backward.from_views(ex, views)
+    np.testing.assert_array_equal(np.asarray(back[0]), np.asarray(codes))
+    np.testing.assert_array_equal(np.asarray(back[1]), np.asarray(scales))
+
+
+def test_in_backward_fsdp_step_sends_uint8_gradients_only():
+    t = Trainer(_config(**{"mesh.fsdp": True, "model.scan_layers": True, "model.remat": True}), "/nonexistent",
+                log=quiet)
+    report = hlo.collective_bytes(t.program(None, t.abstract_state(), t.abstract_batch()))
+    payload = [op for op in report.ops if op.dtype == "u8"]
+    assert payload and all(op.kind == "all-to-all" for op in payload), report.table()
+    reductions = [op for op in report.ops if op.dtype != "u8" and op.kind in ("all-reduce", "reduce-scatter")
+                  and op.total_bytes > 64]
+    assert not reductions, report.table()
+
+
+def test_in_backward_is_refused_with_the_hierarchical_all_reduce():
+    with pytest.raises(ValueError, match="loco.in_backward=True does not combine with mesh.local=4"):
+        Trainer(_config(**{"mesh.local": 4, "mesh.data": 2}), "/nonexistent", log=quiet)

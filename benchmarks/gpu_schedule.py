@@ -216,6 +216,87 @@ class _Program:
                         self._walk(callee, mult, found, loops, stack)
 
 
+# The step's accumulation loop (lax.scan over micro-batches) as JAX names the ops inside it: a gemm whose
+# op_name starts so belongs to an earlier micro-batch, not the one whose backward pass carries LoCo's exchange.
+_ACCUMULATION = "/shard_map/while/body/closed_call/"
+
+
+def _op_name(ins) -> str:
+    m = re.search(r'op_name="([^"]*)"', ins.attrs.get("metadata", ""))
+    return m.group(1) if m else ""
+
+
+@dataclasses.dataclass
+class ExchangeOverlap:
+    """How much of the backward pass runs under LoCo's exchange (its ``uint8`` collectives inside a replica)."""
+
+    flops_under: float  # gemm FLOPs of the carried backward pass scheduled between a LoCo start and its done
+    backward_flops: float  # gemm FLOPs of the backward pass of the micro-batch that carries the exchange
+    step_flops: float  # every gemm FLOP of the step
+    collectives: int  # LoCo collectives per step (loops multiplied out)
+    synchronous: int  # of which synchronous
+
+    @property
+    def share(self) -> float:
+        return self.flops_under / self.backward_flops if self.backward_flops else 0.0
+
+
+def exchange_overlap(text: str, replicas: int, devices: int) -> ExchangeOverlap:
+    """:class:`ExchangeOverlap` of one compiled program. LoCo's collectives: ``uint8`` payloads whose groups
+    stay inside a replica (DiLoCo's exchange crosses ``replica``). The backward pass: gemms that JAX names
+    as transposes (``transpose(jvp(...))`` in their ``op_name``), outside the accumulation loop (the last
+    micro-batch, the one whose backward pass can carry the exchange: compressing once per step needs the
+    sum of all of them). A gemm under two collectives counts once; a loop counts with its trip count."""
+    program = _Program(text, replicas, devices)
+    totals = dict(under=0.0, backward=0.0, collectives=0, sync=0)
+
+    def backward_cost(cname, ins):
+        if ins.opcode in ("while", "call", "conditional"):
+            return None  # walked into below, with its own trip count
+        flops, _ = program.instr_cost(cname, ins)
+        name = _op_name(ins)
+        return flops if flops and "transpose(" in name and _ACCUMULATION not in name else 0.0
+
+    def walk(cname, mult, stack):
+        comp = program.module.comps.get(cname)
+        if comp is None or cname in stack:
+            return
+        instrs = comp.instrs
+        done_at = {ins.operands[0]: j for j, ins in enumerate(instrs) if ins.opcode.endswith("-done") and ins.operands}
+        under = set()
+        for i, ins in enumerate(instrs):
+            kind, is_start = hlo._collective_kind(ins.opcode)
+            if kind is None:
+                continue
+            j = done_at.get(ins.name) if is_start else None
+            shapes = hlo.parse_shapes(instrs[j].shape if j is not None else ins.shape)
+            if any(d == "u8" for d, _ in shapes) and not program.crosses(ins, kind):
+                totals["collectives"] += mult
+                if j is None or _is_sync(ins):
+                    totals["sync"] += mult
+                else:
+                    under.update(range(i + 1, j))
+        for i, ins in enumerate(instrs):
+            flops = backward_cost(cname, ins)
+            if flops is None:
+                trip = (hlo._trip_count(ins.attrs) or 1) if ins.opcode == "while" else 1
+                keys = ("body",) if ins.opcode == "while" else ("to_apply", "calls", "branch_computations")
+                for key in keys:
+                    for callee in hlo._comp_names(ins.attrs.get(key, "")):
+                        before = totals["backward"]
+                        walk(callee, mult * trip, stack + (cname,))
+                        if i in under:  # a whole loop under a collective: its backward gemms count as under
+                            totals["under"] += totals["backward"] - before
+                continue
+            totals["backward"] += mult * flops
+            if i in under:
+                totals["under"] += mult * flops
+
+    walk(program.module.entry, 1, ())
+    return ExchangeOverlap(totals["under"], totals["backward"], program.cost(program.module.entry)[0],
+                           totals["collectives"], totals["sync"])
+
+
 def analyze(text: str, replicas: int, devices: int, memory=None) -> Schedule:
     """The schedule of one compiled program's HLO text on ``devices`` devices, ``replicas`` of them on the
     ``replica`` axis (devices numbered replica-major, as :func:`loco_jax.training.mesh.make_mesh` lays

@@ -165,33 +165,78 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
             g_full, ct_in = vjp(ct)
             return jax.tree.leaves(g_full), ct_in
 
-        def exchange(i, grads, bufs):
-            """Layer i's bucket step, written into the output buffers."""
+        def local(i, grads):
+            """Layer i's gradient with the earlier micro-batches' sum: ``(sum + g) / n``, or ``g``."""
+            return _accumulate(grads, None if acc is None else jax.tree.leaves(_index(acc, i)), count)
+
+        def write(bufs, i, outs=None, slot=None, sq_value=None):
             out_buf, slot_buf, sq_buf = bufs
-            grads = _accumulate(grads, None if acc is None else jax.tree.leaves(_index(acc, i)), count)
+            if outs is not None:
+                leaves = [lax.dynamic_update_index_in_dim(buf, o.astype(buf.dtype), i, 0)
+                          for buf, o in zip(jax.tree.leaves(out_buf), outs)]
+                out_buf = jax.tree.unflatten(jax.tree.structure(out_buf), leaves)
+            if slot is not None:
+                slot_buf = tuple(buf if buf is None or v is None else
+                                 lax.dynamic_update_index_in_dim(buf, _typed_like(v, buf), i, 0)
+                                 for buf, v in zip(slot_buf, as_cotangent(slot)))
+            if sq_value is not None:
+                sq_buf = lax.dynamic_update_index_in_dim(sq_buf, _typed_like(sq_value, sq_buf)[None], i, 0)
+            return out_buf, slot_buf, sq_buf
+
+        def stored_slot(i):
+            return from_views(ex, _index(slot_f, i))
+
+        def exchange(i, grads, bufs):
+            """Layer i's whole bucket step, written into the output buffers."""
+            grads = local(i, grads)
             axes = loco._device_axes(grads, ex.axis_name)
-            outs, slot = ex.bucket(base + i, grads, dims, from_views(ex, _index(slot_f, i)), inputs, axes)
-            out_leaves = jax.tree.leaves(out_buf)
-            out_leaves = [lax.dynamic_update_index_in_dim(buf, o.astype(buf.dtype), i, 0)
-                          for buf, o in zip(out_leaves, outs)]
-            views = as_cotangent(slot)
-            slot_buf = tuple(None if buf is None else lax.dynamic_update_index_in_dim(buf, _typed_like(v, buf), i, 0)
-                             for buf, v in zip(slot_buf, views))
-            sq_buf = lax.dynamic_update_index_in_dim(sq_buf, _typed_like(_square_norm(grads), sq_buf)[None], i, 0)
-            return jax.tree.unflatten(jax.tree.structure(out_buf), out_leaves), slot_buf, sq_buf
+            outs, slot = ex.bucket(base + i, grads, dims, stored_slot(i), inputs, axes)
+            return write(bufs, i, outs, slot, _square_norm(grads))
+
+        def send(i, grads, bufs):
+            """Layer i up to its all-to-all: ``(payload, layout, bufs)`` with its new stage-1 error written."""
+            grads = local(i, grads)
+            payload, layout, slot = ex.send(base + i, grads, dims, stored_slot(i), inputs, noise_axes)
+            return payload, layout, write(bufs, i, slot=slot[:2] + (None, None), sq_value=_square_norm(grads))
+
+        def receive(i, received, layout, bufs):
+            """Layer i from its received payloads: its output and, where kept, its second-stage error."""
+            slot = stored_slot(i)
+            outs, slot = ex.receive(base + i, received, layout, slot, inputs, noise_axes)
+            return write(bufs, i, outs, (None, None) + tuple(slot[2:]))
 
         zeros = lambda ref: _typed_like(jnp.zeros(ref.shape, ref.dtype), ref)
         bufs = (jax.tree.map(zeros, params), tuple(None if x is None else zeros(x) for x in slot_f), zeros(sq))
+        steps = jnp.arange(depth - 2, -1, -1, dtype=jnp.int32)  # the layers below the top one, top down
         pending, ct = backward(depth - 1, ct_out)
+        noise_axes = loco._device_axes(pending, ex.axis_name)  # the layers' gradients all vary alike
+        if not ex.pipelined:
+            def body(carry, i):
+                ct, pending, bufs = carry
+                bufs = exchange(i + 1, pending, bufs)  # the layer above, behind this layer's backward compute
+                pending, ct = backward(i, ct)
+                return (ct, pending, bufs), None
+
+            (ct, pending, bufs), _ = lax.scan(body, (ct, pending, bufs), steps)
+            _, slot_buf, sq_buf = bufs = exchange(jnp.int32(0), pending, bufs)
+            return ct, bufs[0], slot_buf, sq_buf, None, None, jax.tree.map(jnp.zeros_like, consts)
+
+        # Pipelined: the all-to-all of layer i+1 (its payload carried from the previous iteration) is issued
+        # at the top of iteration i and its result used only once layer i's gradient exists, so it runs
+        # under layer i's backward compute; layer i's payload is made at the end, for the next iteration.
+        payload, layout, bufs = send(depth - 1, pending, bufs)
 
         def body(carry, i):
-            ct, pending, bufs = carry
-            bufs = exchange(i + 1, pending, bufs)  # the layer above, behind this layer's backward compute
-            pending, ct = backward(i, ct)
-            return (ct, pending, bufs), None
+            ct, payload, bufs = carry
+            received = ex.exchange(payload)
+            grads, ct = backward(i, ct)
+            received, grads = lax.optimization_barrier((received, grads))
+            bufs = receive(i + 1, received, layout, bufs)
+            payload, _, bufs = send(i, grads, bufs)
+            return (ct, payload, bufs), None
 
-        (ct, pending, bufs), _ = lax.scan(body, (ct, pending, bufs), jnp.arange(depth - 2, -1, -1, dtype=jnp.int32))
-        out_buf, slot_buf, sq_buf = exchange(jnp.int32(0), pending, bufs)
+        (ct, payload, bufs), _ = lax.scan(body, (ct, payload, bufs), steps)
+        out_buf, slot_buf, sq_buf = receive(jnp.int32(0), ex.exchange(payload), layout, bufs)
         return ct, out_buf, slot_buf, sq_buf, None, None, jax.tree.map(jnp.zeros_like, consts)
 
     run.defvjp(fwd, bwd)

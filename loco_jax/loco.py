@@ -158,13 +158,20 @@ class Exchanger(NamedTuple):
 
     ``transformation``: the optax transformation (``compress(...)`` itself). ``layout(shapes, dims,
     labels, m)``: the buckets of full gradients of these shapes. ``bucket(b, leaves, dims, slot, inputs,
-    axes)``: one bucket's step, ``(outputs, new slot)``. ``step_inputs(state)``: :class:`StepInputs`.
+    axes)``: one bucket's step, ``(outputs, new slot)``; where ``pipelined``, the same as ``receive(b,
+    exchange(payload), layout, slot, inputs, axes)`` after ``payload, layout, slot = send(b, leaves, dims,
+    slot, inputs, axes)``, so the all-to-all can be issued apart from its two local halves.
+    ``step_inputs(state)``: :class:`StepInputs`.
     ``slot_of(state, b)``: bucket ``b``'s error buffers. ``labels_of(treedef, n)``: the ``groups`` labels.
     """
 
     transformation: optax.GradientTransformationExtraArgs
     layout: Any
     bucket: Any
+    pipelined: bool  # bucket = receive(exchange(send(...))): the step splits at its all-to-all
+    send: Any
+    exchange: Any
+    receive: Any
     step_inputs: Any
     slot_of: Any
     labels_of: Any
@@ -577,9 +584,9 @@ def _build(
                 )
         return dims
 
-    def _out_dtype(leaf):
+    def _out_dtype(dtype):
         # a reduced shard feeds the optimizer of fp32 parameters: never narrower than fp32
-        return jnp.promote_types(leaf.dtype, jnp.float32) if scatter else leaf.dtype
+        return jnp.promote_types(dtype, jnp.float32) if scatter else dtype
 
     def _exact(leaves, m, dims):
         out = []
@@ -589,7 +596,7 @@ def _build(
                 mean_axes = axis_name if fast_axis is None else (axis_name, fast_axis)
                 g = (lax.psum_scatter(g, axis_name, scatter_dimension=dims[i], tiled=True) / m if scatter
                      else lax.pmean(g, mean_axes))
-            out.append(g.astype(_out_dtype(leaf)))
+            out.append(g.astype(_out_dtype(leaf.dtype)))
         return out
 
     def step_inputs(state) -> StepInputs:
@@ -598,6 +605,67 @@ def _build(
         reset = jnp.array(False) if reset_every is None else (t % reset_every == 0)
         step_key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
         return StepInputs(t, reset, step_key, next_key)
+
+    def _compensated(b, rows, slot, inputs):
+        """``(h, e)``: the rows rotated (identity unless rotate; errors live in this domain) plus the stored
+        stage-1 error (zero on a reset step; ``e`` None where none is kept)."""
+        rows = cfg.rotate_in(rows, b)
+        if not keep_error:
+            return rows, None
+        e = jnp.where(inputs.reset, 0.0, quant.load(slot[0], slot[1], error_bits, block_size=block_size))
+        return rows + e, e
+
+    def _stored(e, h, sent, slot, inputs):
+        """The slot with its new stage-1 error: the moving average of the compression errors ``h - sent``."""
+        if not keep_error:
+            return slot
+        never = inputs.t < 0  # see _rounded
+        values, scales = quant.store(_moving_average(e, h - _rounded(sent, never), beta, never), error_bits,
+                                     block_size=block_size)
+        return (values, scales) + tuple(slot[2:])
+
+    def pipelined():
+        """True where a bucket's step splits at its all-to-all (:func:`send`, the collective, :func:`receive`):
+        the two-stage all-reduce or the reduce-scatter, without a fast axis."""
+        return quantized and mode == "two_stage" and fast_axis is None
+
+    def send(b, leaves, dims, slot, inputs, axes):
+        """Stage one up to its all-to-all: ``(payload, layout, slot)``, the ``uint8`` payload of the compensated
+        rows (row ``j`` goes to device ``j``), the bucket layout, and the slot with its new stage-1 error."""
+        rows, layout_ = coll.make_bucket(leaves, coll.axis_size(axis_name), block_size, scatter=scatter, dims=dims)
+        key1 = coll.device_key(inputs.key, axes, 2 * b) if stochastic_rounding else None
+        h, e = _compensated(b, rows, slot, inputs)
+        payload = cfg.encode(h, key1)
+        return payload, layout_, _stored(e, h, cfg.decode(payload, h.shape[1]), slot, inputs)
+
+    def exchange(payload):
+        """The all-to-all of a :func:`send` payload (nothing without an axis)."""
+        return payload if axis_name is None else lax.all_to_all(payload, axis_name, 0, 0, tiled=True)
+
+    def receive(b, received, layout_, slot, inputs, axes):
+        """The rest of the step from the received payloads: ``(outputs, slot)``: this device's chunk of the
+        sum, then its shard (scatter) or the second stage (the all-gather of the re-quantized chunks)."""
+        m = coll.axis_size(axis_name)
+        chunk = cfg.decode(received, layout_.cols).sum(axis=0) / m
+        if scatter:
+            shard = coll.unbucket_shard(cfg.rotate_out(chunk[None], b)[0], layout_)
+            return [leaf.astype(_out_dtype(d)) for d, leaf in zip(layout_.dtypes, jax.tree.leaves(shard))], slot
+        mean_rows, slot = _second_stage(b, chunk, slot, inputs, axes)
+        return jax.tree.leaves(coll.unbucket(cfg.rotate_out(mean_rows, b), layout_)), slot
+
+    def _second_stage(b, chunk, slot, inputs, axes):
+        """``(mean rows, slot)``: this device's chunk of the mean re-quantized (compensated with the
+        second-stage error where kept) and all-gathered."""
+        key2 = coll.device_key(inputs.key, axes, 2 * b + 1) if stochastic_rounding else None
+        if not compensate_second_stage:
+            return coll.all_gather_chunk(chunk, axis_name, cfg, key2)[0], slot
+        e2 = jnp.where(inputs.reset, 0.0, quant.load(slot[2], slot[3], error_bits, block_size=block_size))
+        h2 = chunk[None] + e2
+        mean_rows, sent2 = coll.all_gather_chunk(h2[0], axis_name, cfg, key2)
+        never = inputs.t < 0  # see _rounded
+        values, scales = quant.store(_moving_average(e2, h2 - _rounded(sent2[None], never), beta, never),
+                                     error_bits, block_size=block_size)
+        return mean_rows, tuple(slot[:2]) + (values, scales)
 
     def bucket(b, leaves, dims, slot, inputs, axes):
         """One bucket's LoCo step: ``(outputs, new slot)``.
@@ -610,50 +678,30 @@ def _build(
         m = coll.axis_size(axis_name)
         if not quantized:
             return _exact(leaves, m, dims), slot
-        e_values, e_scales, e2_values, e2_scales = slot
+        if pipelined():
+            payload, layout_, slot = send(b, leaves, dims, slot, inputs, axes)
+            return receive(b, exchange(payload), layout_, slot, inputs, axes)
+        # the all-gather form, or hierarchical: exact over the fast axis first, this device's 1/D shard as (m, cols)
         if fast_axis is None:
             rows, layout_ = coll.make_bucket(leaves, m, block_size, scatter=scatter, dims=dims)
-        else:  # exact mean over the fast axis first; this device keeps its 1/D shard, viewed as (m, cols)
+        else:
             d = coll.axis_size(fast_axis)
             fast_rows, layout_ = coll.make_bucket(leaves, d, block_size, pad_multiple=m)
             rows = (lax.psum_scatter(fast_rows, fast_axis, scatter_dimension=0, tiled=True)[0] / d).reshape(m, -1)
         key1 = coll.device_key(inputs.key, axes, 2 * b) if stochastic_rounding else None
-        key2 = coll.device_key(inputs.key, axes, 2 * b + 1) if stochastic_rounding else None
-        rows = cfg.rotate_in(rows, b)  # identity unless rotate; errors below live in this domain
-        if keep_error:
-            e = jnp.where(inputs.reset, 0.0, quant.load(e_values, e_scales, error_bits, block_size=block_size))
-            h = rows + e
-        else:
-            h = rows
-        if mode == "all_gather":
+        h, e = _compensated(b, rows, slot, inputs)
+        if mode == "all_gather":  # (reduce="scatter" needs the two-stage form: refused above)
             total, sent = coll.all_gather_sum(h, axis_name, cfg, key1)
             mean_rows = total / m
+            slot = _stored(e, h, sent, slot, inputs)
         else:
             chunk, sent = coll.reduce_scatter_rows(h, axis_name, cfg, key1)
-            chunk = chunk / m
-        if keep_error:
-            never = inputs.t < 0  # see _rounded
-            e_values, e_scales = quant.store(_moving_average(e, h - _rounded(sent, never), beta, never), error_bits,
-                                             block_size=block_size)
-        if scatter:
-            shard = coll.unbucket_shard(cfg.rotate_out(chunk[None], b)[0], layout_)
-            outs = [leaf.astype(_out_dtype(g)) for g, leaf in zip(leaves, jax.tree.leaves(shard))]
-            return outs, (e_values, e_scales, e2_values, e2_scales)
-        if mode == "two_stage":
-            if compensate_second_stage:
-                e2 = jnp.where(inputs.reset, 0.0, quant.load(e2_values, e2_scales, error_bits, block_size=block_size))
-                h2 = chunk[None] + e2
-                mean_rows, sent2 = coll.all_gather_chunk(h2[0], axis_name, cfg, key2)
-                never = inputs.t < 0  # see _rounded
-                e2_values, e2_scales = quant.store(
-                    _moving_average(e2, h2 - _rounded(sent2[None], never), beta, never), error_bits,
-                                                   block_size=block_size)
-            else:
-                mean_rows, _ = coll.all_gather_chunk(chunk, axis_name, cfg, key2)
+            slot = _stored(e, h, sent, slot, inputs)
+            mean_rows, slot = _second_stage(b, chunk / m, slot, inputs, axes)
         mean_rows = cfg.rotate_out(mean_rows, b)
         if fast_axis is not None:  # every fast device's shard of the mean, back to the whole bucket
             mean_rows = lax.all_gather(mean_rows.reshape(1, -1), fast_axis, axis=0, tiled=True, to="invarying")
-        return jax.tree.leaves(coll.unbucket(mean_rows, layout_)), (e_values, e_scales, e2_values, e2_scales)
+        return jax.tree.leaves(coll.unbucket(mean_rows, layout_)), slot
 
     def slot_of(state, b):
         """Bucket ``b``'s error buffers in ``state`` (None where this configuration keeps none)."""
@@ -736,6 +784,7 @@ def _build(
 
     return Exchanger(
         transformation=optax.GradientTransformationExtraArgs(init_fn, update_fn), layout=layout, bucket=bucket,
+        pipelined=pipelined(), send=send, exchange=exchange, receive=receive,
         step_inputs=step_inputs, slot_of=slot_of, labels_of=labels_of, scatter=scatter, keep_error=keep_error,
         error_bits=error_bits, axis_name=axis_name, fast_axis=fast_axis,
     )

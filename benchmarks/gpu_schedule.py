@@ -17,7 +17,10 @@ For each distinct step program of one DiLoCo period (data parallel: the one prog
   with all its iterations), other fusions and other collectives;
 - the while loops (name, trip count) and the step's gemm FLOPs;
 - ``compiled.memory_analysis()``: arguments, outputs, aliased and temporary bytes per device;
-- narrow-integer all-reduces (they overflow, and XLA may move them out of loops): flagged.
+- narrow-integer all-reduces (they overflow, and XLA may move them out of loops): flagged;
+- LoCo's exchange (its ``uint8`` collectives inside a replica): how many per step, how many synchronous,
+  and the share of the backward pass's gemm FLOPs scheduled under one of them (the backward pass of the
+  micro-batch that carries the exchange: :func:`exchange_overlap`).
 
 No kernel autotuning runs without a GPU, so kernel choices may differ from a real device; the
 collectives, their order and the buffer plan are the compiler's own.
@@ -73,6 +76,7 @@ class Schedule:
     gemms: int
     while_loops: list[tuple[str, int | None]]  # (name, trip count) of every loop the step runs
     memory: dict | None = None
+    exchange: ExchangeOverlap | None = None  # LoCo's uint8 collectives against the carried backward pass
 
     def cross_replica(self) -> list[Collective]:
         return [c for c in self.collectives if c.crosses_replica]
@@ -304,7 +308,7 @@ def analyze(text: str, replicas: int, devices: int, memory=None) -> Schedule:
     program = _Program(text, replicas, devices)
     collectives, loops = program.collectives()
     flops, gemms = program.cost(program.module.entry)
-    return Schedule(collectives, flops, gemms, loops, memory)
+    return Schedule(collectives, flops, gemms, loops, memory, exchange_overlap(text, replicas, devices))
 
 
 def _memory(compiled) -> dict | None:
@@ -381,11 +385,19 @@ def report(schedules: dict, title: str) -> str:
                          f"{len(c.collectives_under)} |")
         lines += ["", f"Crossing `replica`: {len(cross)} collective(s)"
                   + (f", {sum(not c.is_async for c in cross)} synchronous" if cross else "") + ".", ""]
+        x = s.exchange
+        if x is not None and x.collectives:
+            lines += [f"LoCo's exchange (uint8 inside a replica): {x.collectives} collective(s) per step, "
+                      f"{x.synchronous} synchronous; {100 * x.share:.1f} % of the carried backward pass's gemm FLOPs "
+                      f"under one ({x.flops_under / 1e12:.2f} of {x.backward_flops / 1e12:.2f} TFLOP; the step: "
+                      f"{x.step_flops / 1e12:.2f} TFLOP).", ""]
     return "\n".join(lines)
 
 
 def to_json(schedules: dict) -> dict:
     return {phase: {"gemm_flops": s.gemm_flops, "gemms": s.gemms, "while_loops": s.while_loops, "memory": s.memory,
+                     "exchange": None if s.exchange is None else dict(dataclasses.asdict(s.exchange),
+                                                                      share=s.exchange.share),
                     "collectives": [dict(dataclasses.asdict(c), share_under=s.share_under(c))
                                     for c in s.collectives]}
             for phase, (_, s) in schedules.items()}

@@ -156,10 +156,12 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
         saved, params, slot_f, sq, acc, inputs, consts = res
         depth = jax.tree.leaves(params)[0].shape[0]
 
-        def backward(i, ct):
-            """Layer i's vector-Jacobian product: (its full local gradient leaves, the cotangent of its input)."""
+        def backward(i, ct, full=None):
+            """Layer i's vector-Jacobian product: (its full local gradient leaves, the cotangent of its input).
+            ``full``: its full parameters when already prepared (remat)."""
             if remat:
-                _, vjp = jax.vjp(lambda f, c: layer(f, c, *consts), prepare(_index(params, i)), _index(saved, i))
+                full = prepare(_index(params, i)) if full is None else full
+                _, vjp = jax.vjp(lambda f, c: layer(f, c, *consts), full, _index(saved, i))
             else:
                 vjp = _index(saved, i)
             g_full, ct_in = vjp(ct)
@@ -225,19 +227,94 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
         # at the top of iteration i and its result used only once layer i's gradient exists, so it runs
         # under layer i's backward compute; layer i's payload is made at the end, for the next iteration.
         payload, layout, bufs = send(depth - 1, pending, bufs)
+        # remat: layer i's parameters are prepared (FSDP: all-gathered) one iteration ahead, so that gather
+        # too runs under compute (the last iteration prepares layer 0 again, unused)
+        ahead = prepare(_index(params, depth - 2)) if remat else None
 
         def body(carry, i):
-            ct, payload, bufs = carry
+            ct, payload, bufs, full = carry
             received = ex.exchange(payload)
-            grads, ct = backward(i, ct)
+            full_next = prepare(_index(params, jnp.maximum(i - 1, 0))) if remat else None
+            grads, ct = backward(i, ct, full)
             received, grads = lax.optimization_barrier((received, grads))
             bufs = receive(i + 1, received, layout, bufs)
             payload, _, bufs = send(i, grads, bufs)
-            return (ct, payload, bufs), None
+            return (ct, payload, bufs, full_next), None
 
-        (ct, payload, bufs), _ = lax.scan(body, (ct, payload, bufs), steps)
+        (ct, payload, bufs, _), _ = lax.scan(body, (ct, payload, bufs, ahead), steps)
         out_buf, slot_buf, sq_buf = receive(jnp.int32(0), ex.exchange(payload), layout, bufs)
         return ct, out_buf, slot_buf, sq_buf, None, None, jax.tree.map(jnp.zeros_like, consts)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+def _sum_into(acc, grads, first):
+    """The micro-batches' fp32 sum with these gradients added (``first``: the sum starts at them), as
+    ``loco_jax.training.steps.loss_and_grad`` sums: ``g.astype(f32)``, then ``sum + g.astype(f32)``."""
+    if first:
+        return [g.astype(jnp.float32) for g in grads]
+    return [a + g.astype(jnp.float32) for a, g in zip(acc, grads)]
+
+
+def accumulate_group(prepare: Callable, first: bool):
+    """An earlier micro-batch's use of a group of leaves: ``use(leaves, acc) -> prepare(leaves)``, whose
+    cotangent for ``acc`` (the group's fp32 sum so far; ignored when ``first``) is the sum with this
+    micro-batch's gradient added. The gradient of ``leaves`` itself is not wanted (not differentiated)."""
+
+    @jax.custom_vjp
+    def use(leaves, acc):
+        del acc
+        return prepare(leaves)
+
+    def fwd(leaves, acc):
+        return prepare(leaves), acc
+
+    def bwd(acc, ct):
+        return None, [_typed_like(x, a) for x, a in zip(_sum_into(acc, list(ct), first), acc)]
+
+    use.defvjp(fwd, bwd)
+    return use
+
+
+def accumulate_stack(prepare: Callable, layer: Callable, first: bool, *, remat: bool = True):
+    """An earlier micro-batch through the scanned stack: ``run(h, params, acc, consts) -> h_out``, whose
+    cotangent for ``acc`` (the stack's fp32 sum so far, layer axis first) has each layer's gradient added
+    as the backward pass produces it, in place, so that no micro-batch's whole gradient exists at once.
+    ``prepare``, ``layer``, ``remat``: as for :func:`stack`."""
+
+    @jax.custom_vjp
+    def run(h, params, acc, consts):
+        del acc
+        out, _ = lax.scan(lambda c, p: (layer(prepare(p), c, *consts), None), h, params)
+        return out
+
+    def fwd(h, params, acc, consts):
+        def body(c, p):
+            if remat:
+                return layer(prepare(p), c, *consts), c
+            return jax.vjp(lambda f, x: layer(f, x, *consts), prepare(p), c)
+        out, saved = lax.scan(body, h, params)
+        return out, (saved, params, acc, consts)
+
+    def bwd(res, ct_out):
+        saved, params, acc, consts = res
+
+        def body(carry, i):
+            ct, acc_buf = carry
+            if remat:
+                _, vjp = jax.vjp(lambda f, c: layer(f, c, *consts), prepare(_index(params, i)), _index(saved, i))
+            else:
+                vjp = _index(saved, i)
+            g_full, ct = vjp(ct)
+            sums = _sum_into(jax.tree.leaves(_index(acc_buf, i)), jax.tree.leaves(g_full), first)
+            leaves = [lax.dynamic_update_index_in_dim(buf, _typed_like(x, buf), i, 0)
+                      for buf, x in zip(jax.tree.leaves(acc_buf), sums)]
+            return (ct, jax.tree.unflatten(jax.tree.structure(acc_buf), leaves)), None
+
+        depth = jax.tree.leaves(params)[0].shape[0]
+        (ct, acc_out), _ = lax.scan(body, (ct_out, acc), jnp.arange(depth - 1, -1, -1, dtype=jnp.int32))
+        return ct, None, acc_out, jax.tree.map(jnp.zeros_like, consts)
 
     run.defvjp(fwd, bwd)
     return run

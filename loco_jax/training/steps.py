@@ -272,8 +272,10 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
 
     ``ex``: the exchanger of the step's ``loco.compress``, built with ``groups=``:func:`bucket_groups`;
     ``loco_state``: its current state. The first ``accum_steps - 1`` micro-batches are summed locally in fp32
-    as :func:`loss_and_grad` sums them; the last one's backward pass adds each bucket's sum and exchanges
-    it (``(sum + g) / accum_steps``): the same numbers as ``loss_and_grad`` followed by ``compress``.
+    as :func:`loss_and_grad` sums them, each bucket's gradient added in the backward pass as it is produced
+    (no micro-batch's whole gradient exists at once); the last one's backward pass adds each bucket's sum
+    and exchanges it (``(sum + g) / accum_steps``): the same numbers as ``loss_and_grad`` followed by
+    ``compress``.
     Returns ``(loss, means, candidate, grad_sq)``: ``means`` shaped like ``params`` (FSDP: shards),
     ``candidate`` a :class:`loco_jax.loco.CompressState` holding the new error buffers (for
     ``update(..., exchanged=candidate)``, which decides and commits).
@@ -289,22 +291,57 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
                    for x, d in zip(leaves, dims)]
     flat, stack = ex.layout(full_shapes, dims, labels, n)
     scatter = shard_dims is not None
+    def gathered(xs, xdims):
+        if not scatter:
+            return _varying(xs, axes)
+        return _varying(fsdp.gather(xs, xdims, "data", dtype=mcfg.cdtype), axes)
+
+    members_of = [[i for i, _, _ in members] for members, _ in flat]
+    dims_of = [[dims[i] for i in idx] if scatter else None for idx in members_of]
+    layer_dims = jax.tree.map(lambda d: d - 1, shard_dims["layers"]) if scatter and stack is not None else None
+    layer_tree = jax.tree.structure(params["layers"]) if stack is not None else None
+
+    def summed(x, y, acc, first):
+        """An earlier micro-batch: ``(loss, the fp32 sums with its gradient added)``, each bucket's gradient
+        added as the backward pass produces it (:func:`loco_jax.backward.accumulate_group` and
+        :func:`~loco_jax.backward.accumulate_stack`), so no micro-batch's whole gradient exists at once."""
+        def loss(acc):
+            used = list(leaves)
+            for b, idx in enumerate(members_of):
+                use = backward.accumulate_group(lambda xs, d=dims_of[b]: gathered(xs, d), first)
+                for i, full in zip(idx, use([used[i] for i in idx], [acc[i] for i in idx])):
+                    used[i] = full
+            stack_fn = None
+            if stack is not None:
+                def stack_fn(layer, h, stack_params, consts):
+                    run = backward.accumulate_stack(lambda p: gathered(p, layer_dims), layer, first, remat=mcfg.remat)
+                    return run(h, stack_params, jax.tree.unflatten(layer_tree, [acc[i] for i in stack[0]]), consts)
+            return model_lib.loss_fn(mcfg, jax.tree.unflatten(treedef, used), x, y, stack_fn=stack_fn)
+
+        value, new = jax.value_and_grad(loss)(acc)
+        return value, new
+
     loss_sum, acc = None, None
     if accum_steps > 1:
         xs, ys = (a.reshape((accum_steps, -1) + a.shape[1:]) for a in (inputs, targets))
-        loss_sum, acc = loss_and_grad(local_grad_fn(mcfg, params, shard_dims), xs[:-1].reshape((-1,) + xs.shape[2:]),
-                                      ys[:-1].reshape((-1,) + ys.shape[2:]), accum_steps - 1, mean=False)
-        acc = jax.tree.leaves(acc)
+        # the sums vary over the data axes and over every axis the parameters vary over (DiLoCo's replica)
+        vary = set(axes).union(*(specs.varying_axes(x) for x in leaves))
+        zeros = [specs.to_varying(jnp.zeros(shape, jnp.float32), tuple(a for a in specs.manual_axes() if a in vary))
+                 for shape in full_shapes]
+        loss_sum, acc = summed(xs[0], ys[0], zeros, True)
+
+        def body(carry, xy):
+            loss_sum, acc = carry
+            value, acc = summed(*xy, acc, False)
+            return (loss_sum + value, acc), None
+
+        if accum_steps > 2:
+            (loss_sum, acc), _ = lax.scan(body, (loss_sum, acc), (xs[1:-1], ys[1:-1]))
         inputs, targets = xs[-1], ys[-1]
     step = ex.step_inputs(loco_state)
     views = [backward.as_cotangent(ex.slot_of(loco_state, b)) for b in range(len(flat) + (stack is not None))]
     sq = [specs.to_varying(jnp.zeros((stack[1],) if stack is not None and b == len(flat) else (), jnp.float32),
                            specs.manual_axes()) for b in range(len(views))]
-
-    def gathered(xs, xdims):
-        if not scatter:
-            return _varying(xs, axes)
-        return _varying(fsdp.gather(xs, xdims, "data", dtype=mcfg.cdtype), axes)
 
     def loss(params, views, sq):
         used = jax.tree.leaves(params)
@@ -318,9 +355,7 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
         stack_fn = None
         if stack is not None:
             base, stacked = len(flat), stack[0]
-            layer_dims = jax.tree.map(lambda d: d - 1, shard_dims["layers"]) if scatter else None
-            layer_acc = None if acc is None else jax.tree.unflatten(jax.tree.structure(params["layers"]),
-                                                                     [acc[i] for i in stacked])
+            layer_acc = None if acc is None else jax.tree.unflatten(layer_tree, [acc[i] for i in stacked])
             run_dims = [dims[i] - 1 for i in stacked] if scatter else None
 
             def stack_fn(layer, x, stack_params, consts):

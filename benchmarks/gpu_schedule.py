@@ -220,11 +220,6 @@ class _Program:
                         self._walk(callee, mult, found, loops, stack)
 
 
-# The step's accumulation loop (lax.scan over micro-batches) as JAX names the ops inside it: a gemm whose
-# op_name starts so belongs to an earlier micro-batch, not the one whose backward pass carries LoCo's exchange.
-_ACCUMULATION = "/shard_map/while/body/closed_call/"
-
-
 def _op_name(ins) -> str:
     m = re.search(r'op_name="([^"]*)"', ins.attrs.get("metadata", ""))
     return m.group(1) if m else ""
@@ -234,8 +229,8 @@ def _op_name(ins) -> str:
 class ExchangeOverlap:
     """How much of the backward pass runs under LoCo's exchange (its ``uint8`` collectives inside a replica)."""
 
-    flops_under: float  # gemm FLOPs of the carried backward pass scheduled between a LoCo start and its done
-    backward_flops: float  # gemm FLOPs of the backward pass of the micro-batch that carries the exchange
+    flops_under: float  # gemm FLOPs of the backward pass scheduled between a LoCo start and its done
+    backward_flops: float  # gemm FLOPs of one micro-batch's backward pass (the one that carries the exchange)
     step_flops: float  # every gemm FLOP of the step
     collectives: int  # LoCo collectives per step (loops multiplied out)
     synchronous: int  # of which synchronous
@@ -245,12 +240,13 @@ class ExchangeOverlap:
         return self.flops_under / self.backward_flops if self.backward_flops else 0.0
 
 
-def exchange_overlap(text: str, replicas: int, devices: int) -> ExchangeOverlap:
+def exchange_overlap(text: str, replicas: int, devices: int, micro_batches: int = 1) -> ExchangeOverlap:
     """:class:`ExchangeOverlap` of one compiled program. LoCo's collectives: ``uint8`` payloads whose groups
     stay inside a replica (DiLoCo's exchange crosses ``replica``). The backward pass: gemms that JAX names
-    as transposes (``transpose(jvp(...))`` in their ``op_name``), outside the accumulation loop (the last
-    micro-batch, the one whose backward pass can carry the exchange: compressing once per step needs the
-    sum of all of them). A gemm under two collectives counts once; a loop counts with its trip count."""
+    as transposes (``transpose(jvp(...))`` in their ``op_name``, a rematerialised forward included); its
+    FLOPs per micro-batch (the step's over ``micro_batches``) are the denominator: compressing once per
+    step needs the sum of every micro-batch, so only the last one's backward pass can carry the exchange.
+    A gemm under two collectives counts once; a loop counts with its trip count."""
     program = _Program(text, replicas, devices)
     totals = dict(under=0.0, backward=0.0, collectives=0, sync=0)
 
@@ -258,10 +254,10 @@ def exchange_overlap(text: str, replicas: int, devices: int) -> ExchangeOverlap:
         if ins.opcode in ("while", "call", "conditional"):
             return None  # walked into below, with its own trip count
         flops, _ = program.instr_cost(cname, ins)
-        name = _op_name(ins)
-        return flops if flops and "transpose(" in name and _ACCUMULATION not in name else 0.0
+        return flops if flops and "transpose(" in _op_name(ins) else 0.0
 
-    def walk(cname, mult, stack):
+    def walk(cname, mult, stack, covered):
+        """``covered``: the computation runs under a LoCo collective started outside it (all of it counts)."""
         comp = program.module.comps.get(cname)
         if comp is None or cname in stack:
             return
@@ -287,28 +283,25 @@ def exchange_overlap(text: str, replicas: int, devices: int) -> ExchangeOverlap:
                 keys = ("body",) if ins.opcode == "while" else ("to_apply", "calls", "branch_computations")
                 for key in keys:
                     for callee in hlo._comp_names(ins.attrs.get(key, "")):
-                        before = totals["backward"]
-                        walk(callee, mult * trip, stack + (cname,))
-                        if i in under:  # a whole loop under a collective: its backward gemms count as under
-                            totals["under"] += totals["backward"] - before
+                        walk(callee, mult * trip, stack + (cname,), covered or i in under)
                 continue
             totals["backward"] += mult * flops
-            if i in under:
+            if covered or i in under:
                 totals["under"] += mult * flops
 
-    walk(program.module.entry, 1, ())
-    return ExchangeOverlap(totals["under"], totals["backward"], program.cost(program.module.entry)[0],
+    walk(program.module.entry, 1, (), False)
+    return ExchangeOverlap(totals["under"], totals["backward"] / micro_batches, program.cost(program.module.entry)[0],
                            totals["collectives"], totals["sync"])
 
 
-def analyze(text: str, replicas: int, devices: int, memory=None) -> Schedule:
+def analyze(text: str, replicas: int, devices: int, memory=None, micro_batches: int = 1) -> Schedule:
     """The schedule of one compiled program's HLO text on ``devices`` devices, ``replicas`` of them on the
     ``replica`` axis (devices numbered replica-major, as :func:`loco_jax.training.mesh.make_mesh` lays
     them out)."""
     program = _Program(text, replicas, devices)
     collectives, loops = program.collectives()
     flops, gemms = program.cost(program.module.entry)
-    return Schedule(collectives, flops, gemms, loops, memory, exchange_overlap(text, replicas, devices))
+    return Schedule(collectives, flops, gemms, loops, memory, exchange_overlap(text, replicas, devices, micro_batches))
 
 
 def _memory(compiled) -> dict | None:
@@ -360,7 +353,8 @@ def compile_recipe(config_path: str, overrides=(), topology: str = "1x1x8", targ
         if first is not None and len(out) >= first:
             break
         compiled = trainer.program(phase, state, batch)
-        out[str(phase)] = (compiled, analyze(compiled.as_text(), trainer.m, len(devices), _memory(compiled)))
+        out[str(phase)] = (compiled, analyze(compiled.as_text(), trainer.m, len(devices), _memory(compiled),
+                                             trainer.accum_steps))
     return out
 
 
@@ -388,7 +382,7 @@ def report(schedules: dict, title: str) -> str:
         x = s.exchange
         if x is not None and x.collectives:
             lines += [f"LoCo's exchange (uint8 inside a replica): {x.collectives} collective(s) per step, "
-                      f"{x.synchronous} synchronous; {100 * x.share:.1f} % of the carried backward pass's gemm FLOPs "
+                      f"{x.synchronous} synchronous; {100 * x.share:.1f} % of a micro-batch's backward gemm FLOPs "
                       f"under one ({x.flops_under / 1e12:.2f} of {x.backward_flops / 1e12:.2f} TFLOP; the step: "
                       f"{x.step_flops / 1e12:.2f} TFLOP).", ""]
     return "\n".join(lines)

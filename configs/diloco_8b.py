@@ -6,7 +6,10 @@ vocabulary 128,256, sequence 4096, scanned and rematerialised blocks, bf16 compu
 Inside a replica (one host of 8 GPUs): FSDP over its 8 devices (mesh.fsdp): parameters, AdamW moments
 and DiLoCo's global parameters and outer momentum are cut 1/8 per device; each step gathers the
 parameters in bf16 and reduce-scatters the gradient through LoCo at 4 bits (Lloyd-Max levels on
-rotated blocks, plain error feedback, 8-bit error buffers: the full-size buffer that stays per device).
+rotated blocks, plain error feedback, 8-bit error buffers: the full-size buffer that stays per device),
+exchanged inside the backward pass (loco.in_backward: one bucket per block, each block's all-to-all under
+the backward compute of the block below it; 94.8 % of a micro-batch's backward gemm FLOPs under LoCo's
+exchange on 8 H200s by the GPU compiler's schedule, none before; docs/results.md, issue 28).
 Across replicas (mesh.replicas, one per cluster): Streaming DiLoCo with the paper's settings scaled to
 32 blocks: H = 100, 12 fragments (fragment 0: embeddings, final norm and head; 11 fragments of 2-3
 strided blocks), overlap 1, alpha 0.5, a 4-bit e3m0 outer exchange, outer SGD lr 0.4 with Nesterov
@@ -15,7 +18,7 @@ momentum 0.9.
 Settings:
     seq_len=4096 accum_steps=8 model.d_model=4096 model.num_layers=32 model.num_heads=32 model.num_kv_heads=8
     model.d_ff=14336 model.vocab_size=128256 mesh.fsdp=true loco.bits=4 loco.format=lloyd loco.rotate=true
-    loco.beta=0.0 loco.error_bits=8 diloco.sync_every=100 diloco.num_fragments=12 diloco.overlap=1
+    loco.beta=0.0 loco.error_bits=8 loco.in_backward=true diloco.sync_every=100 diloco.num_fragments=12 diloco.overlap=1
     diloco.alpha=0.5 diloco.bits=4 diloco.format=e3m0 diloco.outer_lr=0.4 diloco.outer_momentum=0.9
 
 Every setting that decides memory or bandwidth is pinned here rather than left to the library's
@@ -55,6 +58,7 @@ def get_config() -> Config:
     c = cfg.loco
     c.bits, c.format, c.rotate, c.beta, c.compensate, c.compensate_second_stage = 4, "lloyd", True, 0.0, True, False
     c.error_bits, c.block_size, c.reset_every, c.bucket_size = 8, 256, 1024, 2**28
+    c.in_backward = True
     d = cfg.diloco
     d.enabled, d.sync_every, d.num_fragments, d.overlap, d.alpha = True, 100, 12, 1, 0.5
     d.bits, d.format, d.rotate, d.compensate, d.mode, d.block_size = 4, "e3m0", False, False, "all_gather", 256

@@ -23,19 +23,29 @@ pattern of flax's fp8 scales (``OVERWRITE_WITH_GRADIENT``), with the 8-bit error
 Nothing is committed there: :func:`loco_jax.loco.compress`'s ``update(..., exchanged=...)`` decides the
 non-finite rule on the means, once per step, and keeps the old state on a skipped step.
 
-A scanned stack (:func:`stack`) gets its own backward scan: layer ``l``'s forward is recomputed from its
-saved input (as ``remat`` does), its vector-Jacobian product taken, and layer ``l+1``'s gradient,
-carried from the previous iteration, exchanged in the same iteration, so that each iteration's
-collectives have the layer's backward compute to run under (a collective inside a loop body cannot
-overlap the next iteration's compute otherwise). Layer ``L-1``'s product is taken before the loop and
-layer 0's exchange after it. Outputs and new errors are written in place into ``(L, ...)`` buffers.
+A scanned stack (:func:`stack`) gets its own backward loop, over ``l = L-2 ... 0``: the all-to-all of
+layer ``l+1``'s payload (quantized at the end of the previous iteration) is issued at the top, layer
+``l``'s forward is recomputed from its saved input (as ``remat`` does) with its parameters prepared one
+iteration ahead (FSDP: all-gathered), its vector-Jacobian product taken, and only then (an
+``optimization_barrier`` on the received payload and the new gradient) is layer ``l+1``'s exchange
+finished and layer ``l``'s payload made. So each iteration's collectives run under a whole layer's
+backward compute: a collective issued and finished inside one iteration could overlap only what the
+scheduler chose to put beside it. Layer ``L-1``'s product is taken before the loop and layer 0's
+exchange finished after it; outputs and new errors are written in place into ``(L, ...)`` buffers.
+
+Micro-batches: compressing once per step needs the sum of every micro-batch, so only the last one's
+backward pass carries the exchange. The earlier ones add each bucket's gradient into the fp32 sum as
+their backward pass produces it (:func:`accumulate_group`, :func:`accumulate_stack`: the sum is an input
+whose cotangent is the sum with the gradient added), so no micro-batch's whole gradient exists at once;
+the sum itself, full-size on every device, does.
 
 What it costs and excludes: under ``remat`` the stack's forward is recomputed in the backward pass (as
-``jax.checkpoint`` does), else each layer's residuals are saved (as a plain scan does); a bucket is a whole group of
-leaves (no ``bucket_size`` splitting inside it); every leaf must be labelled (an int or
-:data:`loco_jax.loco.STACK`); the hierarchical ``fast_axis`` all-reduce is not supported. With gradient
-accumulation only the last micro-batch's backward pass carries the exchange (compressing once per step
-needs the sum of all of them), and the earlier micro-batches' full-size fp32 sum is kept as before.
+``jax.checkpoint`` does), else each layer's residuals are saved (as a plain scan does); the new error
+buffers and the outputs exist beside the old state until the step is decided (the non-finite rule keeps
+the old state on a skipped step); a bucket is a whole group of leaves (no ``bucket_size`` splitting
+inside it); every leaf must be labelled (an int or :data:`loco_jax.loco.STACK`); the hierarchical
+``fast_axis`` all-reduce is not supported. Unrolled layers are each their own bucket and the compiler
+places their exchanges as it likes; a scanned stack is what fixes the overlap (docs/results.md).
 """
 
 from __future__ import annotations

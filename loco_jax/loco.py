@@ -839,7 +839,8 @@ def error_rms(state, block_size: int = quant.DEFAULT_BLOCK_SIZE, error_bits: int
             continue
         for values, scales in zip(node.error + node.error2, node.error_scale + node.error2_scale):
             bits = error_bits if scales is not None else None
-            e = quant.load(values, scales, bits, block_size=block_size)
+            flat = lambda x: None if x is None else x.reshape(-1, x.shape[-1])  # a stack's (L, M, cols) as rows
+            e = quant.load(flat(values), flat(scales), bits, block_size=block_size)
             total, count = total + jnp.sum(e * e), count + e.size
     mean = total / max(count, 1)
     axes = coll.manual_axes()

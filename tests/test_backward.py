@@ -10,7 +10,7 @@ import pytest
 from loco_jax import backward, hlo, loco
 from loco_jax.training import config as config_lib
 from loco_jax.training.trainer import Trainer
-from tests.test_trainer import quiet
+from tests.test_trainer import quiet, text_file  # noqa: F401
 
 
 def _config(**overrides):
@@ -122,3 +122,48 @@ def test_in_backward_fsdp_step_sends_uint8_gradients_only():
 def test_in_backward_is_refused_with_the_hierarchical_all_reduce():
     with pytest.raises(ValueError, match="loco.in_backward=True does not combine with mesh.local=4"):
         Trainer(_config(**{"mesh.local": 4, "mesh.data": 2}), "/nonexistent", log=quiet)
+
+
+def test_in_backward_trainer_with_diloco_and_fsdp_resumes_bit_identically(text_file, tmp_path):  # noqa: F811
+    """The trainer's FSDP step with Streaming DiLoCo around it (2 replicas x 4, 3 fragments) and LoCo in the
+    backward pass (scanned, rematerialised layers, 2 micro-batches): it learns, a resume from step 7 ends
+    bit-identical to the straight run, and changing loco.in_backward on resume is refused by name."""
+    from loco_jax import trainer as trainer_lib
+    from tests.test_trainer import small_config
+
+    sets = {"loco.in_backward": True, "mesh.fsdp": True, "model.scan_layers": True, "model.remat": True,
+            "accum_steps": 2}
+    straight = trainer_lib.train_and_evaluate(small_config(text_file, **sets), str(tmp_path / "a"), log=quiet)
+    losses = [r["loss"] for r in trainer_lib.read_metrics(str(tmp_path / "a")) if "loss" in r]
+    assert losses[-1] < losses[0]
+    resumed_dir = str(tmp_path / "b")
+    trainer_lib.train_and_evaluate(small_config(text_file, **sets), resumed_dir, log=quiet, stop_after=7)
+    resumed = trainer_lib.train_and_evaluate(small_config(text_file, **sets), resumed_dir, log=quiet)
+    for a, b in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight["state"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="loco.in_backward"):
+        trainer_lib.train_and_evaluate(small_config(text_file, **dict(sets, **{"loco.in_backward": False})),
+                                       resumed_dir, log=quiet)
+
+
+def test_a_non_finite_gradient_skips_the_in_backward_step_and_keeps_every_state():
+    """A NaN in one parameter makes every gradient non-finite: the step is skipped on every device, LoCo's
+    error buffers, its count and AdamW's moments are kept as they were (decided once, after the backward
+    pass produced the candidates), and the skip is counted."""
+    t = Trainer(_config(**{"model.scan_layers": True, "model.remat": True, "mesh.fsdp": True}), "/nonexistent",
+                log=quiet)
+    state = t.init_state()
+    rng = np.random.default_rng(0)
+    sharding = jax.sharding.NamedSharding(t.mesh, t.batch_spec)
+    x, y = (jax.device_put(jnp.asarray(rng.integers(0, 256, (16, 32)), jnp.int32), sharding) for _ in range(2))
+    p, s, _ = t.program(None, state, (x, y))(state.params, state.opt_state, x, y)  # errors non-zero from here
+    embedding = p["embed"]["embedding"]
+    p["embed"]["embedding"] = jax.device_put(embedding.at[3, 5].set(jnp.nan), embedding.sharding)
+    before = jax.tree.map(np.asarray, s)
+    _, after, metrics = t.program(None, type(state)(p, s), (x, y))(p, s, x, y)
+    assert int(np.asarray(metrics["skipped"]).sum()) == 1
+    assert int(np.asarray(loco.find_state(after).skipped)) == 1
+    kept = lambda tree: [x for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+                         if "skipped" not in jax.tree_util.keystr(path)]
+    for a, b in zip(kept(jax.tree.map(np.asarray, after)), kept(before)):
+        np.testing.assert_array_equal(a, b)

@@ -291,7 +291,9 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
                    for x, d in zip(leaves, dims)]
     flat, stack = ex.layout(full_shapes, dims, labels, n)
     scatter = shard_dims is not None
+
     def gathered(xs, xdims):
+        """A group's (or a layer's) full parameters for the model: cast to varying, or all-gathered (FSDP)."""
         if not scatter:
             return _varying(xs, axes)
         return _varying(fsdp.gather(xs, xdims, "data", dtype=mcfg.cdtype), axes)
@@ -318,8 +320,7 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
                     return run(h, stack_params, jax.tree.unflatten(layer_tree, [acc[i] for i in stack[0]]), consts)
             return model_lib.loss_fn(mcfg, jax.tree.unflatten(treedef, used), x, y, stack_fn=stack_fn)
 
-        value, new = jax.value_and_grad(loss)(acc)
-        return value, new
+        return jax.value_and_grad(loss)(acc)
 
     loss_sum, acc = None, None
     if accum_steps > 1:

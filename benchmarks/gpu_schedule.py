@@ -240,14 +240,14 @@ class ExchangeOverlap:
         return self.flops_under / self.backward_flops if self.backward_flops else 0.0
 
 
-def exchange_overlap(text: str, replicas: int, devices: int, micro_batches: int = 1) -> ExchangeOverlap:
-    """:class:`ExchangeOverlap` of one compiled program. LoCo's collectives: ``uint8`` payloads whose groups
+def exchange_overlap(text, replicas: int, devices: int, micro_batches: int = 1) -> ExchangeOverlap:
+    """:class:`ExchangeOverlap` of one compiled program (its HLO text, or the parsed program). LoCo's collectives: ``uint8`` payloads whose groups
     stay inside a replica (DiLoCo's exchange crosses ``replica``). The backward pass: gemms that JAX names
     as transposes (``transpose(jvp(...))`` in their ``op_name``, a rematerialised forward included); its
     FLOPs per micro-batch (the step's over ``micro_batches``) are the denominator: compressing once per
     step needs the sum of every micro-batch, so only the last one's backward pass can carry the exchange.
     A gemm under two collectives counts once; a loop counts with its trip count."""
-    program = _Program(text, replicas, devices)
+    program = text if isinstance(text, _Program) else _Program(text, replicas, devices)
     totals = dict(under=0.0, backward=0.0, collectives=0, sync=0)
 
     def backward_cost(cname, ins):
@@ -301,7 +301,7 @@ def analyze(text: str, replicas: int, devices: int, memory=None, micro_batches: 
     program = _Program(text, replicas, devices)
     collectives, loops = program.collectives()
     flops, gemms = program.cost(program.module.entry)
-    return Schedule(collectives, flops, gemms, loops, memory, exchange_overlap(text, replicas, devices, micro_batches))
+    return Schedule(collectives, flops, gemms, loops, memory, exchange_overlap(program, replicas, devices, micro_batches))
 
 
 def _memory(compiled) -> dict | None:

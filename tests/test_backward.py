@@ -158,11 +158,13 @@ def test_a_non_finite_gradient_skips_the_in_backward_step_and_keeps_every_state(
     x, y = (jax.device_put(jnp.asarray(rng.integers(0, 256, (16, 32)), jnp.int32), sharding) for _ in range(2))
     p, s, _ = t.program(None, state, (x, y))(state.params, state.opt_state, x, y)  # errors non-zero from here
     embedding = p["embed"]["embedding"]
-    p["embed"]["embedding"] = jax.device_put(embedding.at[3, 5].set(jnp.nan), embedding.sharding)
+    poisoned = np.array(embedding)
+    poisoned[3, 5] = np.nan
+    p["embed"]["embedding"] = jax.device_put(poisoned, embedding.sharding)
     before = jax.tree.map(np.asarray, s)
     _, after, metrics = t.program(None, type(state)(p, s), (x, y))(p, s, x, y)
     assert int(np.asarray(metrics["skipped"]).sum()) == 1
-    assert int(np.asarray(loco.find_state(after).skipped)) == 1
+    assert int(np.asarray(after.skipped)) == 1  # skip_nonfinite's count (the inner state, LoCo's included, is kept)
     kept = lambda tree: [x for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
                          if "skipped" not in jax.tree_util.keystr(path)]
     for a, b in zip(kept(jax.tree.map(np.asarray, after)), kept(before)):

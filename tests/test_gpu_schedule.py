@@ -162,3 +162,21 @@ def test_loco_buckets_are_not_chained_on_gpu(cuda_plugin, tmp_path):
     (program,) = programs.values()
     payloads = [c for c in program["collectives"] if c["dtypes"] == ["u8"]]
     assert len(payloads) >= 2 and not [c["name"] for c in payloads if not c["is_async"]], payloads
+
+
+def test_loco_in_the_backward_pass_runs_under_the_layers_backward(cuda_plugin, tmp_path):
+    """configs/loco.py with FSDP, scanned rematerialised blocks and loco.in_backward, compiled for 8 H200s:
+    LoCo's uint8 all-to-alls inside the backward loop (one per block) are asynchronous with gemms under them, and much
+    of a micro-batch's backward gemm FLOPs are scheduled under one of them (the tool's exchange figures);
+    exchanged after the backward pass, none are."""
+    sets = ("model.num_layers=4", "mesh.fsdp=true", "model.scan_layers=true", "model.remat=true")
+    _, programs = _schedule(cuda_plugin, tmp_path, "loco.py", *sets, "loco.in_backward=true")
+    (program,) = programs.values()
+    x = program["exchange"]
+    # (the embedding's bucket comes last, with no compute left: the scheduler may run it synchronously)
+    assert x["collectives"] >= 4 and x["synchronous"] <= 1, x
+    looped = [c for c in program["collectives"] if c["dtypes"] == ["u8"] and c["count"] == 3]
+    assert looped and all(c["is_async"] and c["gemms_under"] > 0 for c in looped), program["collectives"]
+    assert x["share"] > 0.3, x
+    _, after = _schedule(cuda_plugin, tmp_path, "loco.py", *sets)
+    assert next(iter(after.values()))["exchange"]["share"] == 0.0

@@ -1,25 +1,23 @@
-"""LoCo inside the backward pass: each bucket's gradient is compressed and exchanged as soon as it exists.
+"""LoCo inside the backward pass: each layer's gradient is compressed and exchanged as soon as it exists.
 
 :func:`loco_jax.loco.compress` is an optax transformation: it starts once ``jax.grad`` has returned the
 whole gradient, so its collectives wait for the whole backward pass. Here the same per-bucket step
-(:class:`loco_jax.loco.Exchanger`) runs *in* the backward pass, one bucket per layer, so the exchange of
-layer ``l`` can run behind the backward compute of layers ``l-1 ... 0``. With the same buckets
-(``compress(groups=...)``: one bucket per labelled group, one per layer of a scanned stack) the two give
-bit-identical means and error buffers.
+(:class:`loco_jax.loco.Exchanger`) runs *in* the backward pass of a scanned stack of layers, one bucket
+per layer, so the exchange of layer ``l`` runs under the backward compute of layer ``l-1``. With the
+same buckets (``compress(groups=...)``, one per layer of the stack) the two give bit-identical means and
+error buffers.
 
-How a bucket is exchanged in the backward pass. A bucket's parameters ``p`` enter the loss through a
-``custom_vjp`` function ``use(p, e, s) = prepare(p)``: ``prepare`` casts replicated parameters to varying
-over the data axes (the README's step recipe) or all-gathers FSDP shards in the compute dtype. Its
-backward rule receives the bucket's full local gradient ``g`` (summed with the earlier micro-batches'
-``a``: ``g = (a + g) / n`` on the last of ``n``) and returns::
+How: the stack's forward is a ``custom_vjp`` function ``run(h, p, e, s, ...)`` whose backward rule
+receives the stack output's cotangent, runs the layers' backward itself, and returns::
 
-    d/dp  = LoCo mean of g (reduce="mean") or this device's shard of it (reduce="scatter")
-    d/de  = the bucket's new error buffers       (e: its stored errors, passed in as an input)
-    d/ds  = sum(g * g) on this device            (s: a zero scalar; the local gradient's square norm)
+    d/dp  = per layer, the LoCo mean of its local gradient g (reduce="mean") or this device's shard of it
+    d/de  = per layer, the new error buffers          (e: the stored errors, passed in as an input)
+    d/ds  = per layer, sum(g * g) on this device       (s: zeros; the local gradient's square norm)
 
-so one ``jax.value_and_grad`` returns the means, the candidate error buffers and the square norm: the
+so one ``jax.value_and_grad`` returns the means, the candidate error buffers and the square norms: the
 pattern of flax's fp8 scales (``OVERWRITE_WITH_GRADIENT``), with the 8-bit error codes carried through
 ``float32`` cotangents as bit patterns (:func:`as_cotangent`; nothing adds or scales them on the way).
+With micro-batches ``g`` is the last one's gradient added to the earlier ones' sum: ``(a + g) / n``.
 Nothing is committed there: :func:`loco_jax.loco.compress`'s ``update(..., exchanged=...)`` decides the
 non-finite rule on the means, once per step, and keeps the old state on a skipped step.
 
@@ -42,10 +40,12 @@ the sum itself, full-size on every device, does.
 What it costs and excludes: under ``remat`` the stack's forward is recomputed in the backward pass (as
 ``jax.checkpoint`` does), else each layer's residuals are saved (as a plain scan does); the new error
 buffers and the outputs exist beside the old state until the step is decided (the non-finite rule keeps
-the old state on a skipped step); a bucket is a whole group of leaves (no ``bucket_size`` splitting
-inside it); every leaf must be labelled (an int or :data:`loco_jax.loco.STACK`); the hierarchical
-``fast_axis`` all-reduce is not supported. Unrolled layers are each their own bucket and the compiler
-places their exchanges as it likes; a scanned stack is what fixes the overlap (docs/results.md).
+the old state on a skipped step); the leaves outside the stack (embedding, head) are exchanged after
+the backward pass (the trainer does; XLA would not overlap them with the layer loop anyway); the
+hierarchical ``fast_axis`` all-reduce is not supported. Unrolled layers are not: exchanged from
+per-layer ``custom_vjp`` uses, the compiler placed their quantization after the backward pass anyway
+and kept many buckets' working copies at once (docs/results.md), and XLA:CPU, which runs independent
+collectives in no fixed order, could deadlock on them.
 """
 
 from __future__ import annotations
@@ -93,45 +93,31 @@ def _typed_like(x, ref):
     return specs.to_varying(x, specs.varying_axes(ref))
 
 
-def group(ex: loco.Exchanger, b: int, prepare: Callable, dims, count: int):
-    """The ``custom_vjp`` use of bucket ``b``'s leaves: ``use(leaves, slot_f, sq, acc, inputs) -> prepare(leaves)``.
-
-    ``leaves``: the bucket's parameters (a list); ``dims``: their shard dimensions (scatter) or None;
-    ``slot_f``: the bucket's error buffers as cotangent carriers (:func:`as_cotangent`); ``sq``: a zero
-    scalar varying over the data axes; ``acc``: the earlier micro-batches' fp32 sums or None; ``count``:
-    micro-batches per step; ``inputs``: :class:`loco_jax.loco.StepInputs`. Cotangents: the exchanged
-    mean (or shard) for ``leaves``, the new error buffers for ``slot_f``, ``sum(g^2)`` for ``sq``.
-    """
-
-    @jax.custom_vjp
-    def use(leaves, slot_f, sq, acc, inputs):
-        del slot_f, sq, acc, inputs
-        return prepare(leaves)
-
-    def fwd(leaves, slot_f, sq, acc, inputs):
-        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-        return prepare(leaves), (slot_f, acc, inputs, shapes, sq)
-
-    def bwd(res, ct):
-        slot_f, acc, inputs, shapes, sq = res
-        grads = _accumulate(list(ct), acc, count)
-        axes = loco._device_axes(grads, ex.axis_name)
-        outs, slot = ex.bucket(b, grads, dims, from_views(ex, slot_f), inputs, axes)
-        outs = [o.astype(s.dtype) for o, s in zip(outs, shapes)]
-        return outs, _view_like(slot, slot_f), _typed_like(_square_norm(grads), sq), None, None
-
-    use.defvjp(fwd, bwd)
-    return use
-
-
-def _view_like(slot, slot_f):
-    """A new slot as cotangent views typed like the views it replaces."""
-    return tuple(None if x is None else _typed_like(v, x)
-                 for v, x in zip(as_cotangent(slot), slot_f))
-
-
 def _index(tree, i):
     return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def _stack_forward(layer, prepare, remat, h, params, consts):
+    """The stack's forward scan: ``(output, saved)``, ``saved`` each layer's input (remat) or its ``jax.vjp``
+    residuals."""
+    def body(c, p):
+        if remat:
+            return layer(prepare(p), c, *consts), c
+        return jax.vjp(lambda f, x: layer(f, x, *consts), prepare(p), c)  # (output, its residuals)
+    return lax.scan(body, h, params)
+
+
+def _layer_vjp(layer, prepare, params, saved, consts, remat, i, ct, full=None):
+    """Layer ``i``'s vector-Jacobian product in a stack's backward loop: ``(its full local gradient leaves, the
+    cotangent of its input)``. ``saved``: each layer's input (remat: the layer is recomputed from it, with
+    ``full``, its prepared parameters, when given) or its ``jax.vjp`` residuals."""
+    if remat:
+        full = prepare(_index(params, i)) if full is None else full
+        _, vjp = jax.vjp(lambda f, c: layer(f, c, *consts), full, _index(saved, i))
+    else:
+        vjp = _index(saved, i)
+    g_full, ct_in = vjp(ct)
+    return jax.tree.leaves(g_full), ct_in
 
 
 def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, layer: Callable, *,
@@ -151,15 +137,10 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
     @jax.custom_vjp
     def run(h, params, slot_f, sq, acc, inputs, consts):
         del slot_f, sq, acc, inputs
-        out, _ = lax.scan(lambda c, p: (layer(prepare(p), c, *consts), None), h, params)
-        return out
+        return _stack_forward(layer, prepare, True, h, params, consts)[0]
 
     def fwd(h, params, slot_f, sq, acc, inputs, consts):
-        def body(c, p):
-            if remat:
-                return layer(prepare(p), c, *consts), c
-            return jax.vjp(lambda f, x: layer(f, x, *consts), prepare(p), c)  # (output, its residuals)
-        out, saved = lax.scan(body, h, params)
+        out, saved = _stack_forward(layer, prepare, remat, h, params, consts)
         return out, (saved, params, slot_f, sq, acc, inputs, consts)
 
     def bwd(res, ct_out):
@@ -167,15 +148,7 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
         depth = jax.tree.leaves(params)[0].shape[0]
 
         def backward(i, ct, full=None):
-            """Layer i's vector-Jacobian product: (its full local gradient leaves, the cotangent of its input).
-            ``full``: its full parameters when already prepared (remat)."""
-            if remat:
-                full = prepare(_index(params, i)) if full is None else full
-                _, vjp = jax.vjp(lambda f, c: layer(f, c, *consts), full, _index(saved, i))
-            else:
-                vjp = _index(saved, i)
-            g_full, ct_in = vjp(ct)
-            return jax.tree.leaves(g_full), ct_in
+            return _layer_vjp(layer, prepare, params, saved, consts, remat, i, ct, full)
 
         def local(i, grads):
             """Layer i's gradient with the earlier micro-batches' sum: ``(sum + g) / n``, or ``g``."""
@@ -243,8 +216,10 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
 
         def body(carry, i):
             ct, payload, bufs, full = carry
-            received = ex.exchange(payload)
             full_next = prepare(_index(params, jnp.maximum(i - 1, 0))) if remat else None
+            if full_next is not None:  # XLA:CPU runs independent collectives in no fixed order: gather first
+                payload = loco._after([payload], jax.tree.leaves(full_next))[0]
+            received = ex.exchange(payload)
             grads, ct = backward(i, ct, full)
             received, grads = lax.optimization_barrier((received, grads))
             bufs = receive(i + 1, received, layout, bufs)
@@ -296,15 +271,10 @@ def accumulate_stack(prepare: Callable, layer: Callable, first: bool, *, remat: 
     @jax.custom_vjp
     def run(h, params, acc, consts):
         del acc
-        out, _ = lax.scan(lambda c, p: (layer(prepare(p), c, *consts), None), h, params)
-        return out
+        return _stack_forward(layer, prepare, True, h, params, consts)[0]
 
     def fwd(h, params, acc, consts):
-        def body(c, p):
-            if remat:
-                return layer(prepare(p), c, *consts), c
-            return jax.vjp(lambda f, x: layer(f, x, *consts), prepare(p), c)
-        out, saved = lax.scan(body, h, params)
+        out, saved = _stack_forward(layer, prepare, remat, h, params, consts)
         return out, (saved, params, acc, consts)
 
     def bwd(res, ct_out):
@@ -312,12 +282,8 @@ def accumulate_stack(prepare: Callable, layer: Callable, first: bool, *, remat: 
 
         def body(carry, i):
             ct, acc_buf = carry
-            if remat:
-                _, vjp = jax.vjp(lambda f, c: layer(f, c, *consts), prepare(_index(params, i)), _index(saved, i))
-            else:
-                vjp = _index(saved, i)
-            g_full, ct = vjp(ct)
-            sums = _sum_into(jax.tree.leaves(_index(acc_buf, i)), jax.tree.leaves(g_full), first)
+            g_full, ct = _layer_vjp(layer, prepare, params, saved, consts, remat, i, ct)
+            sums = _sum_into(jax.tree.leaves(_index(acc_buf, i)), g_full, first)
             leaves = [lax.dynamic_update_index_in_dim(buf, _typed_like(x, buf), i, 0)
                       for buf, x in zip(jax.tree.leaves(acc_buf), sums)]
             return (ct, jax.tree.unflatten(jax.tree.structure(acc_buf), leaves)), None

@@ -60,6 +60,12 @@ all-to-all stage runs. The full local gradient exists during the step (it is
 the input); ``bucket_size`` bounds the fp32 working copies to one bucket at a
 time.
 
+Buckets: the whole tree by default, ``bucket_size`` values at most each, or explicit groups
+(``groups=``: one bucket per group number, one per layer of a scanned stack). The per-bucket step is an
+:class:`Exchanger`'s (:func:`exchanger`), which :mod:`loco_jax.backward` also runs inside the backward pass,
+as each layer's gradient is produced; ``update(means, state, params, exchanged=candidate)`` then only
+decides and commits, and the two paths give bit-identical results.
+
 The shard_map recipe: see the README. In short, ``init`` and ``update`` run
 inside ``shard_map``; with ``check_vma=True`` cast replicated parameters to
 varying over the data axes before ``jax.grad`` (``jax.lax.pcast(p, axes,

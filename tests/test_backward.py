@@ -21,6 +21,7 @@ def _config(**overrides):
     cfg.optim.warmup_steps = 2
     cfg.mesh.replicas, cfg.diloco.enabled = 1, False
     cfg.loco.bits, cfg.loco.in_backward = 4, True
+    cfg.model.scan_layers = True
     return config_lib.override(cfg, [f"{k}={v}" for k, v in overrides.items()])
 
 
@@ -31,7 +32,7 @@ def _capture():
                                         lambda u, s, p=None: (jax.tree.map(jnp.zeros_like, u), u))
 
 
-def _run(cfg, in_backward, steps=3):
+def _run(cfg, in_backward, steps=2):
     t = Trainer(cfg, "/nonexistent", log=quiet)
     t.tx = loco.skip_nonfinite(optax.chain(t.exchanger.transformation, _capture()))
     if not in_backward:
@@ -46,22 +47,20 @@ def _run(cfg, in_backward, steps=3):
     return state
 
 
-CELLS = {
-    "dp-unrolled-4bit": {},
-    "dp-scanned-remat-2bit": {"model.scan_layers": True, "model.remat": True, "loco.bits": 2},
-    "dp-scanned-8bit-accum": {"model.scan_layers": True, "loco.bits": 8, "accum_steps": 2},
-    "fsdp-scanned-remat-4bit-accum": {"mesh.fsdp": True, "model.scan_layers": True, "model.remat": True,
-                                      "accum_steps": 2},
-    "fsdp-unrolled-1bit": {"mesh.fsdp": True, "loco.bits": 1},
+CELLS = {  # each cell crosses several features: layout, remat or saved residuals, micro-batches, bits
+    "dp-8bit": {"loco.bits": 8},
+    "dp-remat-2bit-accum": {"model.remat": True, "loco.bits": 2, "accum_steps": 2},
+    "fsdp-remat-4bit-accum": {"mesh.fsdp": True, "model.remat": True, "accum_steps": 2},
+    "fsdp-1bit": {"mesh.fsdp": True, "loco.bits": 1},
 }
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_in_backward_exchange_is_bit_identical_to_compress_with_the_same_buckets(cell):
-    """Three steps (the error buffers non-zero from the second): the exchanged means LoCo hands the optimizer
-    and every error buffer agree to the bit, for data parallel and FSDP, unrolled and scanned layers, with
-    and without remat and accumulation, at the per-bit defaults (rotated Lloyd-Max at 4 and 2 bits, the
-    reference absmax int8, the rotated 1-bit sign)."""
+    """Two steps (the error buffers non-zero in the second): the exchanged means LoCo hands the optimizer and
+    every error buffer agree to the bit, for data parallel and FSDP (scanned blocks), with and without remat
+    and micro-batches, at the per-bit defaults (rotated Lloyd-Max at 4 and 2 bits, the
+    reference absmax int8 with beta 0.8, the rotated 1-bit sign)."""
     cfg = _config(**CELLS[cell])
     got, want = _run(cfg, True), _run(cfg, False)
     errors = loco.find_state(want.opt_state).error
@@ -119,9 +118,11 @@ def test_in_backward_fsdp_step_sends_uint8_gradients_only():
     assert not reductions, report.table()
 
 
-def test_in_backward_is_refused_with_the_hierarchical_all_reduce():
+def test_in_backward_is_refused_with_the_hierarchical_all_reduce_and_with_unrolled_blocks():
     with pytest.raises(ValueError, match="loco.in_backward=True does not combine with mesh.local=4"):
         Trainer(_config(**{"mesh.local": 4, "mesh.data": 2}), "/nonexistent", log=quiet)
+    with pytest.raises(ValueError, match="needs model.scan_layers=true"):
+        Trainer(_config(**{"model.scan_layers": False}), "/nonexistent", log=quiet)
 
 
 def test_in_backward_trainer_with_diloco_and_fsdp_resumes_bit_identically(text_file, tmp_path):  # noqa: F811

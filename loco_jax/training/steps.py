@@ -285,6 +285,9 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
     labels = ex.labels_of(treedef, len(leaves))
     if any(label is None for label in labels):
         raise ValueError("the in-backward exchange needs every parameter in a bucket group (loco.compress(groups=)).")
+    if "layers" not in params or not mcfg.scan_layers:
+        raise ValueError("the in-backward exchange runs in a scanned stack's backward loop: it needs "
+                         "model.scan_layers=True.")
     n = lax.axis_size("data")
     dims = jax.tree.leaves(shard_dims) if shard_dims is not None else [0] * len(leaves)
     full_shapes = [_full_shape(x.shape, d, n) if shard_dims is not None else tuple(x.shape)
@@ -340,40 +343,54 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
             (loss_sum, acc), _ = lax.scan(body, (loss_sum, acc), (xs[1:-1], ys[1:-1]))
         inputs, targets = xs[-1], ys[-1]
     step = ex.step_inputs(loco_state)
-    views = [backward.as_cotangent(ex.slot_of(loco_state, b)) for b in range(len(flat) + (stack is not None))]
-    sq = [specs.to_varying(jnp.zeros((stack[1],) if stack is not None and b == len(flat) else (), jnp.float32),
-                           specs.manual_axes()) for b in range(len(views))]
+    views = [backward.as_cotangent(ex.slot_of(loco_state, b)) for b in range(len(flat) + 1)]
+    sq = [specs.to_varying(jnp.zeros((stack[1],) if b == len(flat) else (), jnp.float32), specs.manual_axes())
+          for b in range(len(views))]
 
-    def loss(params, views, sq):
-        used = jax.tree.leaves(params)
-        for b, (members, _) in enumerate(flat):
-            idx = [i for i, _, _ in members]
-            group_dims = [dims[i] for i in idx] if scatter else None
-            use = backward.group(ex, b, lambda xs, d=group_dims: gathered(xs, d), group_dims, accum_steps)
-            for i, full in zip(idx, use([used[i] for i in idx], views[b], sq[b],
-                                        None if acc is None else [acc[i] for i in idx], step)):
+    # the groups outside the stack (embedding, head) take their whole local gradient from the backward pass
+    # and are exchanged after it: XLA does not overlap a collective with a loop that holds collectives, and
+    # on XLA:CPU, which runs independent collectives in no fixed order, they would race the stack's
+    prepared = [gathered([leaves[i] for i in idx], dims_of[b]) for b, idx in enumerate(members_of)]
+    base = len(flat)
+    layer_acc = None if acc is None else jax.tree.unflatten(layer_tree, [acc[i] for i in stack[0]])
+    run_dims = [dims[i] - 1 for i in stack[0]] if scatter else None
+
+    def loss(stack_params, prepared, stack_view, stack_sq):
+        used = list(leaves)
+        for idx, fulls in zip(members_of, prepared):
+            for i, full in zip(idx, fulls):
                 used[i] = full
-        stack_fn = None
-        if stack is not None:
-            base, stacked = len(flat), stack[0]
-            layer_acc = None if acc is None else jax.tree.unflatten(layer_tree, [acc[i] for i in stacked])
-            run_dims = [dims[i] - 1 for i in stacked] if scatter else None
+        used = jax.tree.unflatten(treedef, used)
+        used["layers"] = stack_params
 
-            def stack_fn(layer, x, stack_params, consts):
-                run = backward.stack(ex, base, lambda p: gathered(p, layer_dims), run_dims, accum_steps, layer,
-                                     remat=mcfg.remat)
-                return run(x, stack_params, views[base], sq[base], layer_acc, step, consts)
+        def stack_fn(layer, x, stack_params, consts):
+            run = backward.stack(ex, base, lambda p: gathered(p, layer_dims), run_dims, accum_steps, layer,
+                                 remat=mcfg.remat)
+            return run(x, stack_params, stack_view, stack_sq, layer_acc, step, consts)
 
-        return model_lib.loss_fn(mcfg, jax.tree.unflatten(treedef, used), inputs, targets, stack_fn=stack_fn)
+        return model_lib.loss_fn(mcfg, used, inputs, targets, stack_fn=stack_fn)
 
-    value, (means, new_views, sq) = jax.value_and_grad(loss, argnums=(0, 1, 2))(params, views, sq)
+    value, (stack_means, local, stack_view, stack_sq) = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(
+        params["layers"], prepared, views[base], sq[base])
     if loss_sum is not None:
         value = (loss_sum + value) / accum_steps
-    slots = [backward.from_views(ex, v) for v in new_views]
-    new = {f: tuple(slot[k] for slot in slots) for k, f in enumerate(loco.SLOT_FIELDS)
-           if slots and slots[0][k] is not None}
-    grad_sq = sum(jnp.sum(x) for x in sq)
-    return value, means, loco_state._replace(**new), grad_sq
+    mean_leaves = [None] * len(leaves)
+    for i, mean in zip(stack[0], jax.tree.leaves(stack_means)):
+        mean_leaves[i] = mean
+    slots, squares, previous = [], [jnp.sum(stack_sq)], jax.tree.leaves(stack_means)
+    axes_of = loco._device_axes(local[0], ex.axis_name) if local else ()
+    for b, idx in enumerate(members_of):  # the same bucket step as compress's, after the backward pass
+        grads = backward._accumulate(local[b], None if acc is None else [acc[i] for i in idx], accum_steps)
+        grads = loco._after(grads, previous)  # XLA:CPU: one exchange at a time, after the stack's
+        outs, slot = ex.bucket(b, grads, dims_of[b], ex.slot_of(loco_state, b), step, axes_of)
+        for i, out in zip(idx, outs):
+            mean_leaves[i] = out
+        slots.append(slot)
+        squares.append(backward._square_norm(grads))
+        previous = outs
+    slots.append(backward.from_views(ex, stack_view))
+    new = {f: tuple(slot[k] for slot in slots) for k, f in enumerate(loco.SLOT_FIELDS) if slots[0][k] is not None}
+    return value, jax.tree.unflatten(treedef, mean_leaves), loco_state._replace(**new), sum(squares)
 
 
 def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shard_dims=None, accum_steps=1,

@@ -101,6 +101,9 @@ class Trainer:
         if cfg.loco.in_backward and cfg.mesh.local > 1:
             raise ValueError(f"loco.in_backward=True does not combine with mesh.local={cfg.mesh.local} (the "
                              "hierarchical all-reduce); set one of them off.")
+        if cfg.loco.in_backward and not cfg.model.scan_layers:
+            raise ValueError("loco.in_backward=True exchanges each layer in a scanned stack's backward loop; it needs "
+                             "model.scan_layers=true (set it, or set loco.in_backward=false).")
         # in-backward: one LoCo bucket per layer, exchanged as the backward pass produces it
         groups = steps.bucket_groups(full, self.mcfg.scan_layers) if cfg.loco.in_backward else None
         self.exchanger = steps.make_exchanger(cfg, self.shard_dims, groups) if cfg.loco.in_backward else None

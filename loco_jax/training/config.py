@@ -108,8 +108,9 @@ class LocoFields:
     rotate: bool | None = None
     preset: str = "measured"
     bucket_size: int | None = None  # values per all-reduce bucket (whole leaves); None: one bucket
-    # True: each layer's gradient is exchanged in the backward pass as soon as it exists (one bucket per layer,
-    # the embedding and the head one each; loco_jax.backward), behind the remaining backward compute
+    # True: each block's gradient is exchanged in the scanned stack's backward pass as soon as it exists (one
+    # bucket per block; the embedding and the head after the backward pass; loco_jax.backward), under the
+    # next block's backward compute. Needs model.scan_layers=true.
     in_backward: bool = False
 
 

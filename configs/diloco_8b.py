@@ -8,7 +8,7 @@ and DiLoCo's global parameters and outer momentum are cut 1/8 per device; each s
 parameters in bf16 and reduce-scatters the gradient through LoCo at 4 bits (Lloyd-Max levels on
 rotated blocks, plain error feedback, 8-bit error buffers: the full-size buffer that stays per device),
 exchanged inside the backward pass (loco.in_backward: one bucket per block, each block's all-to-all under
-the backward compute of the block below it; 94.8 % of a micro-batch's backward gemm FLOPs under LoCo's
+the backward compute of the block below it; 94.7 % of a micro-batch's backward gemm FLOPs under LoCo's
 exchange on 8 H200s by the GPU compiler's schedule, none before; docs/results.md, issue 28).
 Across replicas (mesh.replicas, one per cluster): Streaming DiLoCo with the paper's settings scaled to
 32 blocks: H = 100, 12 fragments (fragment 0: embeddings, final norm and head; 11 fragments of 2-3

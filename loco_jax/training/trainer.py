@@ -38,7 +38,7 @@ def gpu_compiler_options(fsdp: bool, in_backward: bool = False) -> dict:
       the exchange over the layer loops anyway.
     - LoCo in the backward pass (``loco.in_backward``) with FSDP: collectives start early with up to five in
       flight, so that a layer's all-to-all (issued at the top of the next layer's iteration) and that
-      layer's parameter gathers are all in flight under its backward compute (8B: 94.8 % of a
+      layer's parameter gathers are all in flight under its backward compute (8B: 94.7 % of a
       micro-batch's backward gemm FLOPs under LoCo's exchange, 0.5 GiB more temporaries than the
       exchange after the backward pass).
     """

@@ -79,9 +79,10 @@ def from_views(ex: loco.Exchanger, slot_f):
 
 
 def _accumulate(grads, acc, count):
+    """The last micro-batch's gradients with the earlier ones' sum, as a mean: ``(sum + g) / n``, or ``g``."""
     if acc is None:
         return grads
-    return [(a + g.astype(jnp.float32)) / count for a, g in zip(acc, grads)]
+    return [x / count for x in _sum_into(acc, grads, False)]
 
 
 def _square_norm(grads):
@@ -129,7 +130,8 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
     ``consts``); ``prepare`` maps a layer's slice of ``params`` (shards or replicated parameters) to its
     full parameters; ``dims``: the layer slices' shard dimensions (scatter) or None. ``params``, ``acc``
     (or None) and the slot views (``(L, M, cols)``) have the layer axis first; layer ``l`` is bucket
-    ``base + l``. ``sq`` has shape ``(L,)``. Cotangents as in :func:`group`, per layer. ``remat``: the
+    ``base + l``. ``sq`` has shape ``(L,)``. Cotangents, per layer: the LoCo mean (or shard) for ``params``,
+    the new error buffers for ``slot_f``, ``sum(g^2)`` for ``sq`` (module docstring). ``remat``: the
     forward pass saves only each layer's input and the backward pass recomputes the layer; False: it saves
     each layer's residuals (its ``jax.vjp``), as a scan without ``jax.checkpoint`` does.
     """
@@ -151,7 +153,6 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
             return _layer_vjp(layer, prepare, params, saved, consts, remat, i, ct, full)
 
         def local(i, grads):
-            """Layer i's gradient with the earlier micro-batches' sum: ``(sum + g) / n``, or ``g``."""
             return _accumulate(grads, None if acc is None else jax.tree.leaves(_index(acc, i)), count)
 
         def write(bufs, i, outs=None, slot=None, sq_value=None):
@@ -203,8 +204,8 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
                 return (ct, pending, bufs), None
 
             (ct, pending, bufs), _ = lax.scan(body, (ct, pending, bufs), steps)
-            _, slot_buf, sq_buf = bufs = exchange(jnp.int32(0), pending, bufs)
-            return ct, bufs[0], slot_buf, sq_buf, None, None, jax.tree.map(jnp.zeros_like, consts)
+            out_buf, slot_buf, sq_buf = exchange(jnp.int32(0), pending, bufs)
+            return ct, out_buf, slot_buf, sq_buf, None, None, jax.tree.map(jnp.zeros_like, consts)
 
         # Pipelined: the all-to-all of layer i+1 (its payload carried from the previous iteration) is issued
         # at the top of iteration i and its result used only once layer i's gradient exists, so it runs

@@ -181,11 +181,15 @@ class Exchanger(NamedTuple):
     step_inputs: Any
     slot_of: Any
     labels_of: Any
-    scatter: bool
-    keep_error: bool
     error_bits: int | None
     axis_name: str | None
-    fast_axis: str | None
+
+
+def stored(slots) -> dict:
+    """The error-buffer fields of a :class:`CompressState` from every bucket's slot, in bucket order (the
+    fields this configuration keeps)."""
+    return {f: tuple(slot[k] for slot in slots) for k, f in enumerate(SLOT_FIELDS)
+            if slots and slots[0][k] is not None}
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -752,8 +756,7 @@ def _build(
             for i, out in zip(stacked, outs):
                 out_leaves[i] = out
             slots.append(slot)
-        new = {f: tuple(s[k] for s in slots) for k, f in enumerate(SLOT_FIELDS) if slots and slots[0][k] is not None}
-        return out_leaves, new
+        return out_leaves, stored(slots)
 
     def update_fn(updates, state, params=None, *, exchanged=None, **extra):
         del extra  # the arguments of other transformations in a chain
@@ -791,8 +794,7 @@ def _build(
     return Exchanger(
         transformation=optax.GradientTransformationExtraArgs(init_fn, update_fn), layout=layout, bucket=bucket,
         pipelined=pipelined(), send=send, exchange=exchange, receive=receive,
-        step_inputs=step_inputs, slot_of=slot_of, labels_of=labels_of, scatter=scatter, keep_error=keep_error,
-        error_bits=error_bits, axis_name=axis_name, fast_axis=fast_axis,
+        step_inputs=step_inputs, slot_of=slot_of, labels_of=labels_of, error_bits=error_bits, axis_name=axis_name,
     )
 
 

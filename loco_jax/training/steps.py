@@ -57,18 +57,12 @@ def learning_rate_schedule(cfg: config_lib.Config):
     )
 
 
-def bucket_groups(params, scan_layers: bool):
-    """The buckets of the in-backward exchange (``compress(groups=...)``): the embedding alone (0), the final
-    norm and output head (1), then one bucket per layer (unrolled layer ``i``: ``2 + i``; a scanned stack:
-    :data:`loco_jax.loco.STACK`). The head's gradient exists first in the backward pass, the embedding's
-    last."""
-    def label(path, _):
-        top = path[0].key
-        if top == "layers":
-            return loco.STACK if scan_layers else 2 + int(path[1].key)
-        return 0 if top == "embed" else 1
-
-    return jax.tree_util.tree_map_with_path(label, params)
+def bucket_groups(params):
+    """The buckets of the in-backward exchange (``compress(groups=...)``) of a model with scanned layers: the
+    embedding alone (0), the final norm and output head (1), then one bucket per layer of the stack
+    (:data:`loco_jax.loco.STACK`)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: loco.STACK if path[0].key == "layers" else 0 if path[0].key == "embed" else 1, params)
 
 
 def make_exchanger(cfg: config_lib.Config, shard_dims=None, groups=None) -> loco.Exchanger:
@@ -138,17 +132,15 @@ def attention_impl(attention: str, compute_dtype: str, head_dim: int, device=Non
     return "cudnn" if gpu and fits else None
 
 
-def loss_and_grad(grad_fn, inputs, targets, accum_steps=1, *, mean=True):
+def loss_and_grad(grad_fn, inputs, targets, accum_steps=1):
     """Mean loss and its gradient over ``inputs``, in ``accum_steps`` micro-batches of equal size.
 
     ``grad_fn(x, y) -> (loss, grads)`` (:func:`local_grad_fn`). The micro-batches' gradients are summed in
     fp32 (the first one starts the sum, so its type is the gradient's own) and divided by
-    ``accum_steps``: the mean gradient of the whole batch. ``mean=False``: the sums, undivided (fp32 even
-    for one micro-batch).
+    ``accum_steps``: the mean gradient of the whole batch.
     """
     if accum_steps == 1:
-        loss, grads = grad_fn(inputs, targets)
-        return (loss, grads) if mean else (loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        return grad_fn(inputs, targets)
     xs, ys = (a.reshape((accum_steps, -1) + a.shape[1:]) for a in (inputs, targets))
     loss, grads = grad_fn(xs[0], ys[0])
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
@@ -159,8 +151,6 @@ def loss_and_grad(grad_fn, inputs, targets, accum_steps=1, *, mean=True):
         return (loss_sum + l, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g)), None
 
     (loss, grads), _ = lax.scan(body, (loss, grads), (xs[1:], ys[1:]))
-    if not mean:
-        return loss, grads
     return loss / accum_steps, jax.tree.map(lambda g: g / accum_steps, grads)
 
 
@@ -303,8 +293,8 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
 
     members_of = [[i for i, _, _ in members] for members, _ in flat]
     dims_of = [[dims[i] for i in idx] if scatter else None for idx in members_of]
-    layer_dims = jax.tree.map(lambda d: d - 1, shard_dims["layers"]) if scatter and stack is not None else None
-    layer_tree = jax.tree.structure(params["layers"]) if stack is not None else None
+    layer_dims = jax.tree.map(lambda d: d - 1, shard_dims["layers"]) if scatter else None
+    layer_tree = jax.tree.structure(params["layers"])
 
     def summed(x, y, acc, first):
         """An earlier micro-batch: ``(loss, the fp32 sums with its gradient added)``, each bucket's gradient
@@ -316,11 +306,10 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
                 use = backward.accumulate_group(lambda xs, d=dims_of[b]: gathered(xs, d), first)
                 for i, full in zip(idx, use([used[i] for i in idx], [acc[i] for i in idx])):
                     used[i] = full
-            stack_fn = None
-            if stack is not None:
-                def stack_fn(layer, h, stack_params, consts):
-                    run = backward.accumulate_stack(lambda p: gathered(p, layer_dims), layer, first, remat=mcfg.remat)
-                    return run(h, stack_params, jax.tree.unflatten(layer_tree, [acc[i] for i in stack[0]]), consts)
+            def stack_fn(layer, h, stack_params, consts):
+                run = backward.accumulate_stack(lambda p: gathered(p, layer_dims), layer, first, remat=mcfg.remat)
+                return run(h, stack_params, jax.tree.unflatten(layer_tree, [acc[i] for i in stack[0]]), consts)
+
             return model_lib.loss_fn(mcfg, jax.tree.unflatten(treedef, used), x, y, stack_fn=stack_fn)
 
         return jax.value_and_grad(loss)(acc)
@@ -343,15 +332,14 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
             (loss_sum, acc), _ = lax.scan(body, (loss_sum, acc), (xs[1:-1], ys[1:-1]))
         inputs, targets = xs[-1], ys[-1]
     step = ex.step_inputs(loco_state)
-    views = [backward.as_cotangent(ex.slot_of(loco_state, b)) for b in range(len(flat) + 1)]
-    sq = [specs.to_varying(jnp.zeros((stack[1],) if b == len(flat) else (), jnp.float32), specs.manual_axes())
-          for b in range(len(views))]
 
     # the groups outside the stack (embedding, head) take their whole local gradient from the backward pass
     # and are exchanged after it: XLA does not overlap a collective with a loop that holds collectives, and
     # on XLA:CPU, which runs independent collectives in no fixed order, they would race the stack's
     prepared = [gathered([leaves[i] for i in idx], dims_of[b]) for b, idx in enumerate(members_of)]
-    base = len(flat)
+    base = len(flat)  # the stack's first bucket number: its error buffers travel as cotangents
+    stack_view = backward.as_cotangent(ex.slot_of(loco_state, base))
+    stack_sq = specs.to_varying(jnp.zeros((stack[1],), jnp.float32), specs.manual_axes())
     layer_acc = None if acc is None else jax.tree.unflatten(layer_tree, [acc[i] for i in stack[0]])
     run_dims = [dims[i] - 1 for i in stack[0]] if scatter else None
 
@@ -371,7 +359,7 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
         return model_lib.loss_fn(mcfg, used, inputs, targets, stack_fn=stack_fn)
 
     value, (stack_means, local, stack_view, stack_sq) = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(
-        params["layers"], prepared, views[base], sq[base])
+        params["layers"], prepared, stack_view, stack_sq)
     if loss_sum is not None:
         value = (loss_sum + value) / accum_steps
     mean_leaves = [None] * len(leaves)
@@ -389,8 +377,7 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
         squares.append(backward._square_norm(grads))
         previous = outs
     slots.append(backward.from_views(ex, stack_view))
-    new = {f: tuple(slot[k] for slot in slots) for k, f in enumerate(loco.SLOT_FIELDS) if slots[0][k] is not None}
-    return value, jax.tree.unflatten(treedef, mean_leaves), loco_state._replace(**new), sum(squares)
+    return value, jax.tree.unflatten(treedef, mean_leaves), loco_state._replace(**loco.stored(slots)), sum(squares)
 
 
 def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shard_dims=None, accum_steps=1,

@@ -105,7 +105,7 @@ class Trainer:
             raise ValueError("loco.in_backward=True exchanges each layer in a scanned stack's backward loop; it needs "
                              "model.scan_layers=true (set it, or set loco.in_backward=false).")
         # in-backward: one LoCo bucket per layer, exchanged as the backward pass produces it
-        groups = steps.bucket_groups(full, self.mcfg.scan_layers) if cfg.loco.in_backward else None
+        groups = steps.bucket_groups(full) if cfg.loco.in_backward else None
         self.exchanger = steps.make_exchanger(cfg, self.shard_dims, groups) if cfg.loco.in_backward else None
         self.tx = make_optimizer(cfg, self.shard_dims, norm_dims=self._norm_dims(full), groups=groups)
         leading = "replica" if cfg.diloco.enabled else None

@@ -40,6 +40,8 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not benchmarks/
 
 from loco_jax import hlo  # noqa: E402
+from loco_jax.collectives import OWN_STREAM  # noqa: E402
+from loco_jax.diloco import APPLY_GATHER  # noqa: E402
 
 NARROW_INTS = ("s1", "u1", "s2", "u2", "s4", "u4", "s8", "u8", "s16", "u16", "pred")
 GEMM_TARGETS = ("gemm", "matmul")  # custom-call targets: __cublas$gemm, __cublas$lt$matmul, ...
@@ -57,6 +59,7 @@ class Collective:
     bytes: float  # the result's bytes per device, one run
     is_async: bool
     count: int  # runs per step (trip counts of the loops around it)
+    own_stream: bool = False  # hinted onto XLA:GPU's p2p collective stream (collectives.on_own_stream)
     gemms_under: int = 0
     gemm_flops_under: float = 0.0
     fusions_under: int = 0
@@ -96,6 +99,11 @@ def _dims_of(shape: str) -> tuple[int, ...]:
 
 def _is_sync(ins) -> bool:
     return '"is_sync":true' in ins.attrs.get("backend_config", "").replace(" ", "")
+
+
+def _own_stream(ins) -> bool:
+    attributes = ins.attrs.get("frontend_attributes", "").replace(" ", "")
+    return all(f'{k}="{v}"' in attributes for k, v in OWN_STREAM.items())
 
 
 class _Program:
@@ -198,7 +206,8 @@ class _Program:
                 c = Collective(
                     name=ins.name, kind=kind, computation=cname, crosses_replica=self.crosses(inner, kind),
                     dtypes=tuple(sorted({d for d, _ in shapes})), bytes=sum(hlo._nbytes(d, s) for d, s in shapes),
-                    is_async=is_start and j is not None and not _is_sync(ins), count=mult)
+                    is_async=is_start and j is not None and not _is_sync(ins), count=mult,
+                    own_stream=_own_stream(ins) or _own_stream(inner))
                 if j is not None:
                     between = instrs[i + 1:j]
                     for b in between:
@@ -242,7 +251,8 @@ class ExchangeOverlap:
 
 def exchange_overlap(text, replicas: int, devices: int, micro_batches: int = 1) -> ExchangeOverlap:
     """:class:`ExchangeOverlap` of one compiled program (its HLO text, or the parsed program). LoCo's collectives: ``uint8`` payloads whose groups
-    stay inside a replica (DiLoCo's exchange crosses ``replica``). The backward pass: gemms that JAX names
+    stay inside a replica (DiLoCo's exchange crosses ``replica``; its apply's gather of codes inside the
+    replica is named ``diloco.APPLY_GATHER``). The backward pass: gemms that JAX names
     as transposes (``transpose(jvp(...))`` in their ``op_name``, a rematerialised forward included); its
     FLOPs per micro-batch (the step's over ``micro_batches``) are the denominator: compressing once per
     step needs the sum of every micro-batch, so only the last one's backward pass can carry the exchange.
@@ -270,7 +280,8 @@ def exchange_overlap(text, replicas: int, devices: int, micro_batches: int = 1) 
                 continue
             j = done_at.get(ins.name) if is_start else None
             shapes = hlo.parse_shapes(instrs[j].shape if j is not None else ins.shape)
-            if any(d == "u8" for d, _ in shapes) and not program.crosses(ins, kind):
+            if (any(d == "u8" for d, _ in shapes) and not program.crosses(ins, kind)
+                    and APPLY_GATHER not in _op_name(ins)):
                 totals["collectives"] += mult
                 if j is None or _is_sync(ins):
                     totals["sync"] += mult
@@ -374,7 +385,7 @@ def report(schedules: dict, title: str) -> str:
         for c in s.collectives:
             flag = " **narrow-int all-reduce**" if c.narrow_int_all_reduce else ""
             lines.append(f"| `{c.name}`{flag} | {c.kind} | {'yes' if c.crosses_replica else 'no'} | "
-                         f"{'/'.join(c.dtypes)} | {hlo.human_bytes(c.bytes)} | {'async' if c.is_async else 'sync'} | "
+                         f"{'/'.join(c.dtypes)} | {hlo.human_bytes(c.bytes)} | {('async' if c.is_async else 'sync') + (', own stream' if c.own_stream else '')} | "
                          f"{c.count} | {c.gemms_under} | {100 * s.share_under(c):.1f} % | {c.fusions_under} | "
                          f"{len(c.collectives_under)} |")
         lines += ["", f"Crossing `replica`: {len(cross)} collective(s)"

@@ -228,42 +228,75 @@ def device_key(key, axis_names, salt):
     return key
 
 
-def reduce_scatter_rows(rows_f32, axis_name, cfg: QuantConfig, key=None):
+OWN_STREAM = {"_xla_gpu_collective_stream": "p2p"}  # XLA:GPU's frontend attribute for its p2p collective stream
+
+
+def on_own_stream(collective, own_stream: bool = True):
+    """``collective()`` traced inside ``set_xla_metadata(OWN_STREAM)`` when ``own_stream``.
+
+    XLA:GPU takes the attribute as a hint to issue the collective on its dedicated p2p stream, and its
+    latency-hiding scheduler counts it against that stream's slot instead of the one every other
+    collective shares. Streaming DiLoCo's exchange across replicas (a slow link) asks for it, so that the
+    collectives inside a replica (FSDP's per-layer gathers, LoCo's all-to-alls) need not queue behind it.
+    Other backends ignore the attribute.
+    """
+    if not own_stream:
+        return collective()
+    from jax.experimental.xla_metadata import set_xla_metadata
+
+    with set_xla_metadata(**OWN_STREAM):
+        return collective()
+
+
+def reduce_scatter_rows(rows_f32, axis_name, cfg: QuantConfig, key=None, own_stream: bool = False):
     """Stage 1: all-to-all of quantized rows, fp32 sum of the chunk this device owns.
 
     Returns ``(chunk_sum, sent)``: ``chunk_sum`` (cols,) is the sum over devices
     of row ``axis_index``; ``sent`` (rows, cols) is what this device's payload
-    decodes to (``DQ(Q(rows_f32))``), for error feedback.
+    decodes to (``DQ(Q(rows_f32))``), for error feedback. ``own_stream``: see :func:`on_own_stream`.
     """
     cols = rows_f32.shape[1]
     payload = cfg.encode(rows_f32, key)
-    received = payload if axis_name is None else lax.all_to_all(payload, axis_name, 0, 0, tiled=True)
+    received = payload if axis_name is None else on_own_stream(
+        lambda: lax.all_to_all(payload, axis_name, 0, 0, tiled=True), own_stream)
     return cfg.decode(received, cols).sum(axis=0), cfg.decode(payload, cols)
 
 
-def all_gather_chunk(chunk_f32, axis_name, cfg: QuantConfig, key=None):
+def _gather(payload, axis_name, own_stream: bool):
+    if axis_name is None:
+        return payload
+    return on_own_stream(lambda: lax.all_gather(payload, axis_name, axis=0, tiled=True, to="invarying"), own_stream)
+
+
+def all_gather_chunk(chunk_f32, axis_name, cfg: QuantConfig, key=None, own_stream: bool = False,
+                     with_payloads: bool = False):
     """Stage 2: quantize this device's chunk and all-gather every device's chunk.
 
     Returns ``(full, sent)``: ``full`` (M, cols) identical on every device,
-    ``sent`` (cols,) what this device's chunk decodes to.
+    ``sent`` (cols,) what this device's chunk decodes to; ``with_payloads`` appends the gathered
+    ``uint8`` payloads ``full`` was decoded from. ``own_stream``: see :func:`on_own_stream`.
     """
     cols = chunk_f32.shape[0]
     payload = cfg.encode(chunk_f32[None], key)
-    gathered = payload if axis_name is None else lax.all_gather(payload, axis_name, axis=0, tiled=True, to="invarying")
-    return cfg.decode(gathered, cols), cfg.decode(payload, cols)[0]
+    gathered = _gather(payload, axis_name, own_stream)
+    out = cfg.decode(gathered, cols), cfg.decode(payload, cols)[0]
+    return out + (gathered,) if with_payloads else out
 
 
-def all_gather_sum(rows_f32, axis_name, cfg: QuantConfig, key=None):
+def all_gather_sum(rows_f32, axis_name, cfg: QuantConfig, key=None, own_stream: bool = False,
+                   with_payloads: bool = False):
     """All-gather form: quantize once, gather all payloads, sum in fp32 locally.
 
-    Returns ``(total, sent)``, both of ``rows_f32``'s shape.
+    Returns ``(total, sent)``, both of ``rows_f32``'s shape; ``with_payloads`` appends the gathered
+    ``uint8`` payloads (M, bytes) ``total`` was decoded from. ``own_stream``: see :func:`on_own_stream`.
     """
     rows, cols = rows_f32.shape
     flat = rows_f32.reshape(1, rows * cols)
     payload = cfg.encode(flat, key)
-    gathered = payload if axis_name is None else lax.all_gather(payload, axis_name, axis=0, tiled=True, to="invarying")
+    gathered = _gather(payload, axis_name, own_stream)
     total = cfg.decode(gathered, rows * cols).sum(axis=0)
-    return total.reshape(rows, cols), cfg.decode(payload, rows * cols).reshape(rows, cols)
+    out = total.reshape(rows, cols), cfg.decode(payload, rows * cols).reshape(rows, cols)
+    return out + (gathered,) if with_payloads else out
 
 
 def _validate(bits, block_size, format, mode, rotate=False, key=None):

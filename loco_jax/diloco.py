@@ -25,7 +25,12 @@ count ``t`` counts completed inner steps; the first ``update`` is ``t = 1``.
 **Exchange.** All data devices of a replica hold the same parameters, so each
 takes its own 1/D slice of the fragment's flat outer gradient, only that
 slice crosses ``replica``, and the reduced slices are all-gathered over
-``data_axis`` inside the replica. ``bits=None`` is an exact fp32 mean; 8, 4
+``data_axis`` inside the replica: as the exchanged codes (the M payloads of
+each slice, decoded on every device: the same values, bit for bit) where
+those are fewer bytes than fp32 (``M x bits < 32``, ``GATHER_CODES_BELOW``),
+else as fp32 slices (and always when ``tau >= 2`` keeps the mean in the
+state). On GPUs the exchange across replicas is hinted onto a collective
+stream of its own (:func:`loco_jax.collectives.on_own_stream`). ``bits=None`` is an exact fp32 mean; 8, 4
 (``int`` or ``e3m0``), 2 and 1 bits send packed ``uint8`` payloads and sum in
 fp32. The default ``mode="all_gather"`` quantizes once (each replica's own
 outer gradient, as the paper does): with the few replicas DiLoCo runs (2-8) it
@@ -130,6 +135,12 @@ class DiLoCoState(NamedTuple):
     error: tuple = ()  # per fragment: stored outer-gradient error of this device's slice (compensate=True)
     error_scale: tuple = ()
     dropped: jax.Array | None = None  # int32 []: rounds dropped for a non-finite exchanged mean (init sets it)
+
+
+# The apply step gathers a fragment's mean inside the replica as the exchanged codes (M payloads of a
+# slice) when they take fewer bytes than this many per value (fp32: 4), else as fp32 slices.
+GATHER_CODES_BELOW = 4
+APPLY_GATHER = "diloco_apply_gather"
 
 
 def schedule_offsets(sync_every, num_fragments):
@@ -361,24 +372,40 @@ def diloco(
             mean_slice = lax.all_gather(mean_slice, data_axis, axis=0, tiled=True, to="invarying")
         return mean_slice[:size]
 
+    def _gather_codes(codes, p, size, d):
+        """The fragment's mean from every data device's exchanged payloads, gathered as codes and decoded
+        here: the same bytes through the same decode as :func:`_gather_slices`' fp32 slices, so the same
+        values, in ``M x bits / 32`` of the bytes (and a decode of the whole fragment on every device)."""
+        gathered, finish = codes
+        with jax.named_scope(APPLY_GATHER):  # names it in the compiled program (benchmarks/gpu_schedule.py)
+            every = lax.all_gather(gathered, data_axis, axis=0, to="invarying")  # (d, M, payload bytes) uint8
+        return cfg.rotate_out(jax.vmap(finish)(every), p).reshape(-1)[:size]
+
     def _exchange(slice_f32, p, state):
-        """Mean over replicas of this device's slice; returns (mean slice, new stored error or None)."""
+        """Mean over replicas of this device's slice.
+
+        Returns ``(mean slice, new stored error or None, codes or None)``; ``codes`` is ``(gathered
+        payloads, finish)`` with ``rotate_out(finish(gathered)) == mean slice``, for :func:`_gather_codes`.
+        """
         m = coll.axis_size(axis_name)
         if bits is None:
-            return lax.pmean(slice_f32, axis_name), None
+            return coll.on_own_stream(lambda: lax.pmean(slice_f32, axis_name)), None, None
         e = quant.load(state.error[p], state.error_scale[p], error_bits, block_size=block_size)[0] if compensate else 0.0
         h = cfg.rotate_in(slice_f32[None], p)[0] + e  # with rotate, the error lives in fragment p's rotated domain
+        # own_stream: the exchange crosses replicas (a slow link); on GPUs it asks for a stream of its own
         if mode == "all_gather":
-            total, sent = coll.all_gather_sum(h[None], axis_name, cfg)
-            mean, sent = total[0] / m, sent[0]
+            _, sent, gathered = coll.all_gather_sum(h[None], axis_name, cfg, own_stream=True, with_payloads=True)
+            finish, sent = (lambda g: cfg.decode(g, h.shape[0]).sum(axis=0) / m), sent[0]
         else:
-            chunk, sent = coll.reduce_scatter_rows(h.reshape(m, -1), axis_name, cfg)
-            full, _ = coll.all_gather_chunk(chunk / m, axis_name, cfg)
-            mean, sent = full.reshape(-1), sent.reshape(-1)
-        mean = cfg.rotate_out(mean[None], p)[0]
-        if not compensate:
-            return mean, None
-        return mean, quant.store((error_beta * e + (1.0 - error_beta) * (h - sent))[None], error_bits, block_size=block_size)
+            chunk, sent = coll.reduce_scatter_rows(h.reshape(m, -1), axis_name, cfg, own_stream=True)
+            _, _, gathered = coll.all_gather_chunk(chunk / m, axis_name, cfg, own_stream=True, with_payloads=True)
+            finish, sent = (lambda g: cfg.decode(g, chunk.shape[0]).reshape(-1)), sent.reshape(-1)
+        mean = cfg.rotate_out(finish(gathered)[None], p)[0]
+        stored = None
+        if compensate:
+            stored = quant.store((error_beta * e + (1.0 - error_beta) * (h - sent))[None], error_bits,
+                                 block_size=block_size)
+        return mean, stored, (gathered, finish)
 
     # ---------------------------------------------------------------- update
 
@@ -411,20 +438,20 @@ def diloco(
         inflight, error, error_scale = state.inflight, list(state.error), list(state.error_scale)
         dropped = state.dropped
 
-        mean_now = None
+        mean_now = codes_now = None
         if ph.send is not None:
             p = ph.send
             k = slice_len(sizes[p], d, m)
             snapshot = local if overlap == 0 else params  # params of step t+1 are theta(t)
             delta = plan.extract(global_params, p) - plan.extract(snapshot, p)
-            mean_slice, stored = _exchange(_my_slice(delta, k, d), p, state)
+            mean_slice, stored, codes = _exchange(_my_slice(delta, k, d), p, state)
             # the same on every replica: they all decoded the same payloads
             sent_ok = _replica_finite(mean_slice)
             dropped = dropped + (~sent_ok).astype(jnp.int32)
             if stored is not None:  # a dropped round was not delivered: its error is not fed back
                 error[p], error_scale[p] = _select(sent_ok, stored, (error[p], error_scale[p]))
             if ph.apply == p:
-                mean_now = mean_slice
+                mean_now, codes_now = mean_slice, codes
             else:  # a dropped round leaves the slot empty (NaN): its apply step leaves the fragment out
                 inflight = jnp.where(sent_ok, jnp.pad(mean_slice, (0, inflight.shape[0] - k)), jnp.nan)
 
@@ -432,7 +459,12 @@ def diloco(
             p = ph.apply
             k = slice_len(sizes[p], d, m)
             mean_slice = mean_now if mean_now is not None else inflight[:k]
-            mean_delta = _gather_slices(mean_slice, sizes[p], d)
+            # inside the replica, every device needs the whole fragment: move the exchanged codes where they
+            # are fewer bytes than the fp32 slice (held across steps, tau >= 2, the slot keeps fp32)
+            if d > 1 and codes_now is not None and codes_now[0].size < GATHER_CODES_BELOW * k:
+                mean_delta = _gather_codes(codes_now, p, sizes[p], d)
+            else:
+                mean_delta = _gather_slices(mean_slice, sizes[p], d)
             global_pieces = plan.select(global_params, p)
             delta_pieces = _split(mean_delta, global_pieces)
             outer_updates, new_outer = outer.update(delta_pieces, outer_states[p], global_pieces)

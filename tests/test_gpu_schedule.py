@@ -87,12 +87,15 @@ def _plugin_env(cuda_plugin):
     return env
 
 
-def _schedule(cuda_plugin, tmp_path, config, *sets):
+SMALL_MODEL = ("model.d_model=64", "model.num_layers=2", "model.d_ff=192")
+
+
+def _schedule(cuda_plugin, tmp_path, config, *sets, model=SMALL_MODEL, args=()):
     """(stdout, JSON figures) of benchmarks/gpu_schedule.py on ``configs/<config>`` with a smaller model."""
     out = tmp_path / "schedule.json"
-    model = ("model.d_model=64", "model.num_layers=2", "model.d_ff=192")
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_schedule.py"), "--config",
-           os.path.join(ROOT, "configs", config), *[a for kv in model + sets for a in ("--set", kv)], "--json", str(out)]
+           os.path.join(ROOT, "configs", config), *[a for kv in model + sets for a in ("--set", kv)], *args,
+           "--json", str(out)]
     result = subprocess.run(cmd, env=_plugin_env(cuda_plugin), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(out.read_text())
@@ -107,8 +110,9 @@ def test_tiny_recipe_compiled_for_eight_h200s(cuda_plugin, tmp_path):
     assert len(programs) == 4  # the quiet step and the send/apply step of each of 3 fragments
     quiet = programs["Phase(send=None, apply=None)"]
     for name, p in programs.items():
-        # the same model step; a send program adds the small matmuls of the exchange's Hadamard rotation
-        assert p["gemms"] > 0 and quiet["gemm_flops"] <= p["gemm_flops"] <= 1.01 * quiet["gemm_flops"], name
+        # the same model step; a send program adds the small matmuls of the exchange's Hadamard rotation (each
+        # device un-rotates the whole fragment it gathers as codes: 1.05 % of this small model's step)
+        assert p["gemms"] > 0 and quiet["gemm_flops"] <= p["gemm_flops"] <= 1.02 * quiet["gemm_flops"], name
         assert p["memory"]["temp"] > 0 and p["memory"]["argument"] > 0
         assert not any(c["kind"] == "all-reduce" and set(c["dtypes"]) & {"s8", "u8", "s4", "u4", "s16", "u16"}
                        for c in p["collectives"]), name
@@ -164,19 +168,31 @@ def test_loco_buckets_are_not_chained_on_gpu(cuda_plugin, tmp_path):
     assert len(payloads) >= 2 and not [c["name"] for c in payloads if not c["is_async"]], payloads
 
 
-def test_loco_in_the_backward_pass_runs_under_the_layers_backward(cuda_plugin, tmp_path):
-    """configs/loco.py with FSDP, scanned rematerialised blocks and loco.in_backward, compiled for 8 H200s:
-    LoCo's uint8 all-to-alls inside the backward loop (one per block) are asynchronous with gemms under them, and much
-    of a micro-batch's backward gemm FLOPs are scheduled under one of them (the tool's exchange figures);
-    exchanged after the backward pass, none are."""
-    sets = ("model.num_layers=4", "mesh.fsdp=true", "model.scan_layers=true", "model.remat=true")
-    _, programs = _schedule(cuda_plugin, tmp_path, "loco.py", *sets, "loco.in_backward=true")
+def test_the_8b_recipe_runs_its_exchanges_under_the_step(cuda_plugin, tmp_path):
+    """configs/diloco_8b.py with 4 of its 32 blocks (every shape of the recipe otherwise: FSDP, scanned
+    rematerialised blocks, 8 micro-batches, loco.in_backward) on 2 hosts x 8 H200s, its send program of
+    fragment 0, with the XLA options the trainer sets:
+
+    - Streaming DiLoCo's exchange across replicas is one asynchronous uint8 all-gather, hinted onto its own
+      stream, with at least 90 % of the step's gemm FLOPs between its start and its done. (With the
+      trainer's earlier overlap limit of 5 the scheduler closed it before the layer loops: 7.7 %.)
+    - LoCo's per-block all-to-alls inside the backward loop are asynchronous with gemms under them, and a
+      large share of the micro-batch's backward gemm FLOPs runs under one of them; exchanged after the
+      backward pass (a small model is enough to show it), none does."""
+    sets = ("model.num_layers=4", "mesh.replicas=2", "batch_size=128", "diloco.num_fragments=3")
+    _, programs = _schedule(cuda_plugin, tmp_path, "diloco_8b.py", *sets, model=(),
+                            args=("--topology", "1x2x8", "--first", "1"))
     (program,) = programs.values()
+    (cross,) = [c for c in program["collectives"] if c["crosses_replica"]]
+    assert (cross["kind"], cross["dtypes"], cross["is_async"], cross["own_stream"]) == (
+        "all-gather", ["u8"], True, True), cross
+    assert cross["share_under"] >= 0.9, cross
     x = program["exchange"]
     # (the embedding's bucket comes last, with no compute left: the scheduler may run it synchronously)
     assert x["collectives"] >= 4 and x["synchronous"] <= 1, x
     looped = [c for c in program["collectives"] if c["dtypes"] == ["u8"] and c["count"] == 3]
     assert looped and all(c["is_async"] and c["gemms_under"] > 0 for c in looped), program["collectives"]
     assert x["share"] > 0.3, x
-    _, after = _schedule(cuda_plugin, tmp_path, "loco.py", *sets)
+    small = ("model.num_layers=4", "mesh.fsdp=true", "model.scan_layers=true", "model.remat=true")
+    _, after = _schedule(cuda_plugin, tmp_path, "loco.py", *small)
     assert next(iter(after.values()))["exchange"]["share"] == 0.0

@@ -61,7 +61,7 @@ def main(argv=None):
         parser.error(f"--step-timeout={args.step_timeout} must be >= 0 seconds (0: no watchdog).")
 
     # Everything that can be checked without devices is checked before jax starts.
-    from loco_jax import config as config_lib
+    from loco_jax.training import config as config_lib
 
     workdir = args.workdir or os.path.join("workdir", os.path.splitext(os.path.basename(args.config))[0])
     sample_options = {k: v for k, v in (("length", args.sample_length), ("temperature", args.temperature),
@@ -84,12 +84,12 @@ def main(argv=None):
     else:
         cfg = config_lib.load(args.config, args.overrides)
     if args.plot:
-        from loco_jax import trainer
+        from loco_jax.training.metrics import plot
 
-        print(trainer.plot(workdir))
+        print(plot(workdir))
         return 0
 
-    from loco_jax import mesh
+    from loco_jax.training import mesh
 
     if args.local_devices is None and not os.environ.get("JAX_PLATFORMS", "").startswith(("cuda", "gpu", "tpu")):
         args.local_devices = 8 if args.num_processes in (None, 1) else None
@@ -116,9 +116,9 @@ def main(argv=None):
         sample.sample_workdir(workdir, args.overrides, seed=args.sample_seed, **sample_options)
         return 0
 
-    from loco_jax import trainer
+    from loco_jax.training.loop import train_and_evaluate
 
-    summary = trainer.train_and_evaluate(cfg, workdir, step_timeout=step_timeout or None, verbose=args.verbose)
+    summary = train_and_evaluate(cfg, workdir, step_timeout=step_timeout or None, verbose=args.verbose)
     print(f"done: step {summary['last_step']}, eval loss {summary['eval_loss']}; workdir {workdir}")
     return 0
 

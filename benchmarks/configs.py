@@ -29,9 +29,10 @@ from benchmarks import common  # noqa: E402  (sets XLA_FLAGS before jax is impor
 
 import jax  # noqa: E402
 
-from loco_jax import config as config_lib  # noqa: E402
-from loco_jax import model as model_lib  # noqa: E402
-from loco_jax import trainer as trainer_lib  # noqa: E402
+from loco_jax.training import config as config_lib  # noqa: E402
+from loco_jax.training import model as model_lib  # noqa: E402
+from loco_jax.training.steps import TrainState  # noqa: E402
+from loco_jax.training.trainer import Trainer  # noqa: E402
 
 HEADING = "## Configs: parameters, bytes per step and tokens/s (benchmarks/configs.py)"
 CONFIGS = ("ddp", "loco", "diloco", "streaming_diloco", "tiny", "diloco_1b")
@@ -44,7 +45,7 @@ def load(name, overrides=()):
 def bytes_row(name):
     overrides = ["model.scan_layers=true", "batch_size=8"] if name == "diloco_1b" else []
     cfg = load(name, overrides)
-    t = trainer_lib.Trainer(cfg, workdir=None, log=lambda *_: None)
+    t = Trainer(cfg, workdir=None, log=lambda *_: None)
     state, batch = t.abstract_state(), t.abstract_batch()
     period = range(cfg.diloco.sync_every + 1, 2 * cfg.diloco.sync_every + 1) if cfg.diloco.enabled else [1]
     for step in period:
@@ -65,7 +66,7 @@ def speed(rounds, steps_per_round):
     names = ("ddp", "loco", "streaming_diloco")
     runs = {}
     for name in names:
-        t = trainer_lib.Trainer(load(name), workdir=None, log=lambda *_: None)
+        t = Trainer(load(name), workdir=None, log=lambda *_: None)
         state = t.init_state()
         it = t.dataset.train_iterator(seed=0)
         runs[name] = [t, state, it, 0]
@@ -78,7 +79,7 @@ def speed(rounds, steps_per_round):
             step += 1
             batch = t.put_batch(it.next_batch(t.cfg.batch_size))
             params, opt, _ = t.program(t.phase(step), state, batch)(state.params, state.opt_state, *batch)
-            state = trainer_lib.TrainState(params, opt)
+            state = TrainState(params, opt)
             jax.block_until_ready(state)
         runs[name][1], runs[name][3] = state, step
         return time.perf_counter() - start

@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from loco_jax import loco, quant  # noqa: E402
-from loco_jax import model as model_lib  # noqa: E402
+from loco_jax.training import model as model_lib  # noqa: E402
 
 H200_PEAK = 989e12
 H200_PRACTICAL = 790e12

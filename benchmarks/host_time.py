@@ -38,7 +38,7 @@ from benchmarks import common  # noqa: E402  (sets XLA_FLAGS before jax is impor
 
 import jax  # noqa: E402
 
-from loco_jax import config as config_lib  # noqa: E402
+from loco_jax.training import config as config_lib  # noqa: E402
 from loco_jax.training import loop  # noqa: E402
 from loco_jax.training.trainer import Trainer  # noqa: E402
 

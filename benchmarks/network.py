@@ -121,21 +121,22 @@ def link_throughput(rate, megabytes=8):
 
 def worker(args):
     """One process of the pair: for each method, compile, warm up, then time steps at each rate."""
-    from loco_jax import mesh as mesh_lib
+    from loco_jax.training import mesh as mesh_lib
 
     mesh_lib.initialize(f"{ADDRS[0]}:{PORT}", 2, args.process_id, local_device_count=1)
     import jax
     from jax.experimental import multihost_utils
 
-    from loco_jax import config as config_lib
-    from loco_jax import model as model_lib
-    from loco_jax import trainer as trainer_lib
+    from loco_jax.training import config as config_lib
+    from loco_jax.training import model as model_lib
+    from loco_jax.training.steps import TrainState
+    from loco_jax.training.trainer import Trainer
 
     dev = VETH[args.process_id]
     results = {}
     for method in args.methods:
         cfg = config_lib.override(config_lib.Config(), BASE + METHODS[method])
-        t = trainer_lib.Trainer(cfg, workdir=None, log=lambda *_: None)
+        t = Trainer(cfg, workdir=None, log=lambda *_: None)
         state, batches, step = t.init_state(), t.dataset.train_iterator(seed=0), 0
 
         def run(n):
@@ -146,7 +147,7 @@ def worker(args):
                 batch = t.put_batch(batches.next_batch(cfg.batch_size))
                 start = time.perf_counter()
                 params, opt, _ = t.program(t.phase(step), state, batch)(state.params, state.opt_state, *batch)
-                state = trainer_lib.TrainState(params, opt)
+                state = TrainState(params, opt)
                 jax.block_until_ready(state)
                 times.append(time.perf_counter() - start)
             return times

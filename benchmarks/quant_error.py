@@ -84,12 +84,13 @@ def quant_mse(fmt, bits):
 def capture_gradients():
     """{step: (8, n) per-device flat fp32 gradients} from the quality model trained at fp32."""
     from benchmarks import quality
-    from loco_jax import config as config_lib
-    from loco_jax import model as model_lib
-    from loco_jax import trainer as trainer_lib
+    from loco_jax.training import config as config_lib
+    from loco_jax.training import model as model_lib
+    from loco_jax.training.steps import BATCH_SPEC, TrainState
+    from loco_jax.training.trainer import Trainer
 
     cfg = config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE + ["seed=0", "data.seed=0"])
-    tr = trainer_lib.Trainer(cfg, "/tmp/loco_jax_quant_error", log=lambda *_: None)
+    tr = Trainer(cfg, "/tmp/loco_jax_quant_error", log=lambda *_: None)
     state = tr.init_state()
     batches = tr.dataset.train_iterator(seed=cfg.data.seed)
 
@@ -98,7 +99,7 @@ def capture_gradients():
         g = jax.grad(lambda p: model_lib.loss_fn(tr.mcfg, p, x, y))(varying)
         return jnp.concatenate([leaf.astype(jnp.float32).reshape(-1) for leaf in jax.tree.leaves(g)])[None]
 
-    grads_fn = jax.jit(jax.shard_map(local_grads, mesh=tr.mesh, in_specs=(P(), trainer_lib.BATCH_SPEC, trainer_lib.BATCH_SPEC),
+    grads_fn = jax.jit(jax.shard_map(local_grads, mesh=tr.mesh, in_specs=(P(), BATCH_SPEC, BATCH_SPEC),
                                      out_specs=P(("replica", "data"))))
     out = {}
     for step in range(1, max(CAPTURE_STEPS) + 1):
@@ -107,7 +108,7 @@ def capture_gradients():
             out[step] = np.asarray(grads_fn(state.params, *batch))
         prog = tr.program(None, state, batch)
         params, opt_state, _ = prog(state.params, state.opt_state, *batch)
-        state = trainer_lib.TrainState(params, opt_state)
+        state = TrainState(params, opt_state)
         jax.block_until_ready(state)
     return out
 

@@ -34,13 +34,13 @@ bit-identical result (typed invariant over the reduced axes, like ``psum``).
 A block holding NaN or Inf is carried as a NaN scale and decodes to NaN, so
 non-finite inputs surface in the result as they would in an exact sum.
 
-Reference: ALGORITHMS.md section 2.
+Reference: docs/algorithms.md, "3. Quantized collectives under `shard_map`".
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +49,8 @@ from jax import lax
 
 from loco_jax import quant
 
-MODES = ("two_stage", "all_gather")
+Mode = Literal["two_stage", "all_gather"]
+MODES = get_args(Mode)
 
 
 # Re-exported for the sibling modules that used to find them here.
@@ -191,7 +192,7 @@ class QuantConfig(NamedTuple):
 
     bits: int = 4
     block_size: int = quant.DEFAULT_BLOCK_SIZE
-    format: str = "int"
+    format: quant.Format = "int"
     rotate: bool = False
     seed: int = 0
 
@@ -327,11 +328,11 @@ def quantized_psum(
     *,
     bits: int = 4,
     block_size: int = quant.DEFAULT_BLOCK_SIZE,
-    format: str = "int",
+    format: quant.Format = "int",
     rotate: bool = False,
     seed: int = 0,
     fast_axis=None,
-    mode: str = "two_stage",
+    mode: Mode = "two_stage",
     key=None,
     bucket_size: int | None = None,
     _salt: int = 0,
@@ -370,13 +371,28 @@ def quantized_psum(
         rows, bucket = make_bucket(x, m, block_size)
         return unbucket(_psum_rows(rows, axis_name, cfg, mode, key, _salt), bucket)
     require_axis(fast_axis, "quantized_psum")
-    d = axis_size(fast_axis)
-    rows, bucket = make_bucket(x, d, block_size, pad_multiple=m)  # (D, M * c): row i is fast-device i's shard
-    shard = lax.psum_scatter(rows, fast_axis, scatter_dimension=0, tiled=True)[0]  # exact, (M * c,)
+    rows, bucket = fast_shard(x, fast_axis, m, block_size)
     key = None if key is None else device_key(key, (fast_axis,), 2)
-    reduced = _psum_rows(shard.reshape(m, -1), axis_name, cfg, mode, key, _salt).reshape(1, -1)
-    full = lax.all_gather(reduced, fast_axis, axis=0, tiled=True, to="invarying")  # (D, M * c)
-    return unbucket(full, bucket)
+    reduced = _psum_rows(rows, axis_name, cfg, mode, key, _salt)
+    return unbucket(fast_gather(reduced, fast_axis), bucket)
+
+
+def fast_shard(leaves, fast_axis, m, block_size, *, mean=False):
+    """The first half of the hierarchical form: this device's ``1/D`` shard of the bucket of ``leaves``,
+    summed exactly (fp32 ``psum_scatter``) over the ``D`` devices of ``fast_axis``, as ``(m, c)`` rows for
+    the quantized exchange over the slow axis (``mean``: divided by ``D``). Returns ``(rows, bucket)``.
+
+    Never a psum over the fast axis first: that would send ``D`` times the data over the slow links."""
+    d = axis_size(fast_axis)
+    rows, bucket = make_bucket(leaves, d, block_size, pad_multiple=m)  # (D, M * c): row i is fast device i's
+    shard = lax.psum_scatter(rows, fast_axis, scatter_dimension=0, tiled=True)[0]  # exact, (M * c,)
+    return (shard / d if mean else shard).reshape(m, -1), bucket
+
+
+def fast_gather(rows, fast_axis):
+    """The second half: every fast device's reduced shard (``rows``, ``(m, c)``) back into the whole bucket,
+    ``(D, m * c)`` (an fp32 ``all_gather`` over ``fast_axis``), for :func:`unbucket`."""
+    return lax.all_gather(rows.reshape(1, -1), fast_axis, axis=0, tiled=True, to="invarying")
 
 
 def quantized_pmean(x, axis_name, *, fast_axis=None, **kwargs):
@@ -392,7 +408,7 @@ def quantized_psum_scatter(
     *,
     bits: int = 4,
     block_size: int = quant.DEFAULT_BLOCK_SIZE,
-    format: str = "int",
+    format: quant.Format = "int",
     rotate: bool = False,
     seed: int = 0,
     key=None,

@@ -107,7 +107,8 @@ from jax.sharding import PartitionSpec as P
 from loco_jax import collectives as coll
 from loco_jax import fragments as frag
 from loco_jax import quant, specs
-from loco_jax.loco import global_all_finite
+from loco_jax.checks import is_int, require_int
+from loco_jax.loco import error_feedback, global_all_finite
 
 MODES = coll.MODES
 
@@ -171,19 +172,15 @@ def phase(step, *, sync_every, num_fragments=1, overlap=0):
 
 def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, beta, error_bits, block_size,
               rotate=False):
-    def positive_int(name, v):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name}={v!r} must be a positive integer.")
-
-    positive_int("sync_every", sync_every)
-    positive_int("num_fragments", num_fragments)
+    require_int("sync_every", sync_every)
+    require_int("num_fragments", num_fragments)
     if num_fragments > sync_every:
         raise ValueError(
             f"num_fragments={num_fragments} exceeds sync_every={sync_every}: each fragment needs its own step "
             f"offset floor(p * H / P); use num_fragments <= {sync_every}."
         )
     limit = sync_every // num_fragments
-    if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < limit:
+    if not is_int(overlap) or not 0 <= overlap < limit:
         raise ValueError(
             f"overlap={overlap!r} must be an integer in [0, floor(H / P)) = [0, {limit}) so that at most one "
             f"fragment is in flight (H={sync_every}, P={num_fragments})."
@@ -200,13 +197,9 @@ def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, bet
 # per-bit defaults that ``diloco(bits=b)`` uses when format / rotate / compensate are None, measured at the
 # all-gather, block-256 wire budget (docs/results.md, "Low-bit quality").
 REFERENCE = dict(format="int", rotate=False, compensate=False)
-# Seed-0 selection at M = 2 (gap to the fp32 exchange): 2 bits, Lloyd-Max levels on rotated slices, no
-# compensation (-0.52 %; with compensation -0.31 %); 1 bit, the scaled sign of rotated slices, no
-# compensation (-0.35 %; with compensation -0.00 %). 4 bits (measured 2026-12-02, a later code version, so
-# against its own fp32 cell): Lloyd-Max levels on rotated slices, no compensation (-0.92 %; the reference int
-# absmax -0.80 %, Lloyd-Max rotated with compensation -0.56 %). On 3,000-step runs the reference int 4-bit
-# exchange cost +0.58 % against fp32 at M = 2 (seeds 1-3), the rotated 2-bit one +0.43 %
-# (benchmarks/parity.py). 8 bits was not measured and keeps the reference.
+# The tables the per-bit defaults were chosen from: docs/results.md, "Streaming DiLoCo's outer exchange at 2
+# and 1 bits" and "Streaming DiLoCo's 4-bit outer exchange" (seed 0, M = 2), and "Streaming DiLoCo at parity
+# with data parallel" (3,000 steps, seeds 1-3). 8 bits was not measured and keeps the reference.
 MEASURED = {
     8: dict(REFERENCE),
     4: dict(format="lloyd", rotate=True, compensate=False),
@@ -245,17 +238,17 @@ def diloco(
     overlap: int = 0,
     alpha: float = 0.0,
     bits: int | None = None,
-    format: str | None = None,
+    format: quant.Format | None = None,
     compensate: bool | None = None,
     rotate: bool | None = None,
     data_axis: str | None = "data",
-    mode: str = "all_gather",
+    mode: coll.Mode = "all_gather",
     block_size: int = quant.DEFAULT_BLOCK_SIZE,
     error_beta: float = 0.8,
     error_bits: int | None = 8,
-    strategy: str = "strided",
+    strategy: frag.Strategy = "strided",
     labels=None,
-    preset: str = "measured",
+    preset: quant.Preset = "measured",
     seed: int = 0,
 ) -> DiLoCo:
     """(Streaming) DiLoCo around ``inner``; see the module docstring for the maths.
@@ -403,8 +396,8 @@ def diloco(
         mean = cfg.rotate_out(finish(gathered)[None], p)[0]
         stored = None
         if compensate:
-            stored = quant.store((error_beta * e + (1.0 - error_beta) * (h - sent))[None], error_bits,
-                                 block_size=block_size)
+            stored = error_feedback(e[None], h[None], sent[None], beta=error_beta, error_bits=error_bits,
+                                    block_size=block_size, never=state.step < 0)
         return mean, stored, (gathered, finish)
 
     # ---------------------------------------------------------------- update

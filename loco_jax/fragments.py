@@ -41,7 +41,7 @@ plan is hashable and can also be a static argument). Order: leaves in
 ``jax.tree.flatten`` order, and within a scanned leaf the fragment's slices in
 increasing order.
 
-Reference: ALGORITHMS.md (Streaming DiLoCo, item 1); Streaming DiLoCo
+Reference: docs/algorithms.md, "6. DiLoCo and Streaming DiLoCo" (Fragments); Streaming DiLoCo
 (arXiv 2501.18512), section 2.2 and its strided vs sequential ablation.
 
 The module also holds the project's single definition of the LLaMA-style
@@ -54,14 +54,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-STRATEGIES = ("strided", "sequential")
+from loco_jax.checks import is_int, require_int
+
+Strategy = Literal["strided", "sequential"]
+STRATEGIES = get_args(Strategy)
 
 _BLOCK_NAMES = ("layers", "layer", "blocks", "block", "h")  # followed by an integer: an unrolled block
 _SCAN_NAMES = ("layers", "blocks")  # not followed by an integer: a scanned (stacked) leaf
@@ -214,7 +217,7 @@ class FragmentPlan:
     # -- sizes -------------------------------------------------------------
 
     def _check_p(self, p) -> int:
-        if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 0 <= p < self.num_fragments:
+        if not is_int(p) or not 0 <= p < self.num_fragments:
             raise ValueError(
                 f"fragment index p={p!r} must be a Python int in [0, {self.num_fragments}) "
                 "(a static value, not a traced one)."
@@ -371,7 +374,7 @@ class FragmentPlan:
 # ---------------------------------------------------------------------------
 
 
-def _assign_blocks(num_layers: int, num_fragments: int, strategy: str) -> np.ndarray:
+def _assign_blocks(num_layers: int, num_fragments: int, strategy: Strategy) -> np.ndarray:
     i = np.arange(num_layers)
     if strategy == "strided":
         return 1 + i % (num_fragments - 1)
@@ -513,7 +516,7 @@ def plan(
     params,
     num_fragments: int,
     *,
-    strategy: str = "strided",
+    strategy: Strategy = "strided",
     labels: Any | Callable[[Any], Any] = None,
     num_layers: int | None = None,
 ) -> FragmentPlan:
@@ -535,15 +538,11 @@ def plan(
         blocks, too few blocks, labels out of range or of the wrong structure or
         length, an empty fragment).
     """
-    if isinstance(num_fragments, bool) or not isinstance(num_fragments, (int, np.integer)) or num_fragments < 1:
-        raise ValueError(f"num_fragments={num_fragments!r} must be a positive int (1 = vanilla DiLoCo).")
+    require_int("num_fragments", num_fragments, "a positive int (1 = vanilla DiLoCo)")
     num_fragments = int(num_fragments)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is unknown; choose one of {STRATEGIES}.")
-    if num_layers is not None and (
-        isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1
-    ):
-        raise ValueError(f"num_layers={num_layers!r} must be a positive int or None.")
+    require_int("num_layers", num_layers, "a positive int or None", allow_none=True)
 
     flat_wp, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths_raw = [pth for pth, _ in flat_wp]
@@ -637,12 +636,11 @@ def transformer_shapes(
     """
     for name, v in dict(num_layers=num_layers, d_model=d_model, num_heads=num_heads, d_ff=d_ff,
                         vocab_size=vocab_size).items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive int.")
+        require_int(name, v, "a positive int")
     if d_model % num_heads:
         raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}.")
     kv = num_heads if num_kv_heads is None else num_kv_heads
-    if isinstance(kv, bool) or not isinstance(kv, (int, np.integer)) or kv < 1 or num_heads % kv:
+    if not is_int(kv) or kv < 1 or num_heads % kv:
         raise ValueError(f"num_kv_heads={num_kv_heads!r} must be a positive divisor of num_heads={num_heads}.")
     hd = d_model // num_heads
     lead = (num_layers,) if scan_layers else ()

@@ -31,7 +31,7 @@ Clipping: after the reduce-scatter each device holds a different shard, so
 scalar collective (:func:`clip_by_global_norm`).
 
 Reference: ZeRO (Rajbhandari et al. 2020, stage 3); PyTorch FSDP's
-FULL_SHARD; ALGORITHMS.md section 2 (the reduce-scatter stage of LoCo's
+FULL_SHARD; docs/algorithms.md, "5. FSDP's reduce-scatter" (the reduce-scatter stage of LoCo's
 all-reduce is what FSDP keeps).
 """
 
@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import collectives as coll
 from loco_jax import fragments
+from loco_jax.checks import require_int
 
 
 def _paths(tree):
@@ -60,8 +61,7 @@ def shard_dims(params, num_shards: int, *, stacked=None):
     scanned leaves from their paths as :mod:`loco_jax.fragments` does. Raises a ``ValueError`` naming
     the first leaf that has no dimension divisible by ``num_shards``.
     """
-    if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
-        raise ValueError(f"num_shards={num_shards!r} must be a positive integer (the devices of the data axis).")
+    require_int("num_shards", num_shards, "a positive integer (the devices of the data axis)")
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     flags = (jax.tree.leaves(stacked) if stacked is not None
              else [fragments.is_stacked(path) for path, _ in with_path])

@@ -38,7 +38,7 @@ reference rolls a per-tensor counter). ``format``, ``rotate``, ``beta``,
 authors' reference code's settings (int absmax, beta 0.8, no rotation) at
 every width.
 
-Non-finite gradients (ALGORITHMS.md): a NaN or Inf on any device must not
+Non-finite gradients (docs/algorithms.md, "7. Non-finite values"): a NaN or Inf on any device must not
 reach the error buffers and every device must decide alike, so one finite
 flag is reduced over every mesh axis (a scalar ``pmin``; inside
 :func:`loco_jax.diloco.diloco`, over the devices of one replica, which decides
@@ -74,13 +74,12 @@ there is nothing left to compress (``update`` detects this and raises).
 :func:`state_specs` gives the ``PartitionSpec`` of every state leaf.
 
 Reference: Xie et al., "LoCo: Low-Bit Communication Adaptor for Large-scale
-Model Training", arXiv 2407.04480 (TPAMI 2025), Algorithm 1; ALGORITHMS.md
-section 3.
+Model Training", arXiv 2407.04480 (TPAMI 2025), Algorithm 1; docs/algorithms.md, "4. LoCo error compensation".
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -91,9 +90,12 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import collectives as coll
 from loco_jax import quant, specs
+from loco_jax.checks import is_int, require_int
 
-REDUCE_MODES = ("mean", "scatter")
-NONFINITE_MODES = ("skip", "propagate")
+Reduce = Literal["mean", "scatter"]
+NonFinite = Literal["skip", "propagate"]
+REDUCE_MODES = get_args(Reduce)
+NONFINITE_MODES = get_args(NonFinite)
 PRESETS = quant.PRESETS
 
 # LoCo's reference settings (the authors' code): absmax int payloads, beta 0.8, no rotation, no
@@ -101,15 +103,9 @@ PRESETS = quant.PRESETS
 REFERENCE = dict(format="int", rotate=False, beta=0.8, compensate=True, compensate_second_stage=False)
 
 # What ``compress(bits=b)`` uses when these arguments are left at None: per bit width, the setting that
-# measured best on real training at the two-stage, block-256 wire budget (docs/results.md, "Low-bit
-# quality"). bits=None (the exact mean) ignores them.
-# Seed-0 selection (paired gap to full precision): 4 bits, Lloyd-Max levels on rotated blocks with plain
-# error feedback (+0.28 %; LoCo's beta 0.8 +0.37 %, naive +1.47 %, int absmax rotated +1.11 %, the
-# reference int absmax +0.91 %); 2 bits, Lloyd-Max levels on rotated blocks with LoCo's
-# beta 0.8 (+1.51 %; naive +1.81 %, error feedback +2.48 %, a second-stage buffer +1.80 %, no rotation
-# +3.10 %, the reference ternary grid +14.4 %); 1 bit, the scaled sign of rotated blocks with no
-# compensation (+0.54 %; LoCo +5.14 %, error feedback +6.29 %, no rotation +10.1 %). 8 bits was not
-# measured and keeps the reference (absmax int8 is already within rounding of fp32).
+# measured best on real training at the two-stage, block-256 wire budget; the tables it was chosen from
+# are docs/results.md, "Low-bit quality: formats, rotation, compensation" (seed 0) and "The defaults on
+# fresh seeds 1-3". 8 bits was not measured and keeps the reference. bits=None (the exact mean) ignores them.
 MEASURED = {
     8: dict(REFERENCE),
     4: dict(format="lloyd", rotate=True, beta=0.0, compensate=True, compensate_second_stage=False),
@@ -201,8 +197,7 @@ def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce,
                 rotate=False, stochastic=False):
     quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=beta, rotate=rotate,
                                stochastic=stochastic)
-    if reset_every is not None and (not isinstance(reset_every, int) or reset_every <= 0):
-        raise ValueError(f"reset_every={reset_every!r} must be a positive integer number of steps, or None.")
+    require_int("reset_every", reset_every, "a positive integer number of steps, or None", allow_none=True)
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce={reduce!r} is unknown; choose one of {REDUCE_MODES}.")
     if mode not in coll.MODES:
@@ -211,8 +206,7 @@ def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce,
         raise ValueError("reduce='scatter' runs only the all-to-all stage; it needs mode='two_stage'.")
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose one of {NONFINITE_MODES}.")
-    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
-        raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of values, or None (one bucket).")
+    require_int("bucket_size", bucket_size, "a positive number of values, or None (one bucket)", allow_none=True)
 
 
 def _device_axes(leaves, axis_name):
@@ -297,6 +291,20 @@ def _moving_average(old, new, beta, never):
     return _rounded(beta * old, never) + _rounded((1.0 - beta) * new, never)
 
 
+def error_feedback(e, h, sent, *, beta, error_bits, block_size=quant.DEFAULT_BLOCK_SIZE, never=False):
+    """The stored error after one compensated compression (docs/algorithms.md, "4. LoCo error compensation"):
+
+        e_new = Q_e( beta * e + (1 - beta) * (h - sent) )
+
+    ``e``: the error that compensated ``h = x + e``; ``sent``: what the receivers decode of ``h``
+    (``DQ(Q_b(h))``); ``beta = 0`` is plain error feedback, LoCo's default 0.8 a moving average of the
+    compression errors. ``Q_e`` is :func:`loco_jax.quant.store` at ``error_bits`` (None: fp32). Returns its
+    ``(values, scales)``. ``never``: a traced flag that is always false, for programs that must round
+    alike (:func:`_rounded`); LoCo, its in-backward exchange and DiLoCo's compensated exchange all pass one.
+    """
+    return quant.store(_moving_average(e, h - _rounded(sent, never), beta, never), error_bits, block_size=block_size)
+
+
 def _select(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
@@ -323,18 +331,18 @@ def compress(
     reset_every: int | None = 1024,
     error_bits: int | None = 8,
     block_size: int = quant.DEFAULT_BLOCK_SIZE,
-    format: str | None = None,
+    format: quant.Format | None = None,
     rotate: bool | None = None,
     axis_name: str | None = "data",
     compensate: bool | None = None,
-    reduce: str = "mean",
-    mode: str = "two_stage",
+    reduce: Reduce = "mean",
+    mode: coll.Mode = "two_stage",
     compensate_second_stage: bool | None = None,
     stochastic_rounding: bool = False,
     seed: int = 0,
-    nonfinite: str = "skip",
+    nonfinite: NonFinite = "skip",
     bucket_size: int | None = None,
-    preset: str = "measured",
+    preset: quant.Preset = "measured",
     shard_dims=None,
     fast_axis: str | None = None,
     groups=None,
@@ -481,8 +489,7 @@ def _build(
             raise ValueError(f"loco.compress: groups has structure {labels_def}, but the gradients have {treedef}; "
                              "give one label per gradient leaf (None, an int, or loco.STACK).")
         for label in labels:
-            if not (label is None or label == STACK or (isinstance(label, int) and not isinstance(label, bool)
-                                                         and label >= 0)):
+            if not (label is None or label == STACK or (is_int(label) and label >= 0)):
                 raise ValueError(f"loco.compress: bucket label {label!r} is not None, a non-negative int or "
                                  f"loco.STACK.")
         return labels
@@ -629,9 +636,8 @@ def _build(
         """The slot with its new stage-1 error: the moving average of the compression errors ``h - sent``."""
         if not keep_error:
             return slot
-        never = inputs.t < 0  # see _rounded
-        values, scales = quant.store(_moving_average(e, h - _rounded(sent, never), beta, never), error_bits,
-                                     block_size=block_size)
+        values, scales = error_feedback(e, h, sent, beta=beta, error_bits=error_bits, block_size=block_size,
+                                        never=inputs.t < 0)
         return (values, scales) + tuple(slot[2:])
 
     def pipelined():
@@ -672,9 +678,8 @@ def _build(
         e2 = jnp.where(inputs.reset, 0.0, quant.load(slot[2], slot[3], error_bits, block_size=block_size))
         h2 = chunk[None] + e2
         mean_rows, sent2 = coll.all_gather_chunk(h2[0], axis_name, cfg, key2)
-        never = inputs.t < 0  # see _rounded
-        values, scales = quant.store(_moving_average(e2, h2 - _rounded(sent2[None], never), beta, never),
-                                     error_bits, block_size=block_size)
+        values, scales = error_feedback(e2, h2, sent2[None], beta=beta, error_bits=error_bits,
+                                        block_size=block_size, never=inputs.t < 0)
         return mean_rows, tuple(slot[:2]) + (values, scales)
 
     def bucket(b, leaves, dims, slot, inputs, axes):
@@ -695,9 +700,7 @@ def _build(
         if fast_axis is None:
             rows, layout_ = coll.make_bucket(leaves, m, block_size, scatter=scatter, dims=dims)
         else:
-            d = coll.axis_size(fast_axis)
-            fast_rows, layout_ = coll.make_bucket(leaves, d, block_size, pad_multiple=m)
-            rows = (lax.psum_scatter(fast_rows, fast_axis, scatter_dimension=0, tiled=True)[0] / d).reshape(m, -1)
+            rows, layout_ = coll.fast_shard(leaves, fast_axis, m, block_size, mean=True)
         key1 = coll.device_key(inputs.key, axes, 2 * b) if stochastic_rounding else None
         h, e = _compensated(b, rows, slot, inputs)
         if mode == "all_gather":  # (reduce="scatter" needs the two-stage form: refused above)
@@ -710,7 +713,7 @@ def _build(
             mean_rows, slot = _second_stage(b, chunk / m, slot, inputs, axes)
         mean_rows = cfg.rotate_out(mean_rows, b)
         if fast_axis is not None:  # every fast device's shard of the mean, back to the whole bucket
-            mean_rows = lax.all_gather(mean_rows.reshape(1, -1), fast_axis, axis=0, tiled=True, to="invarying")
+            mean_rows = coll.fast_gather(mean_rows, fast_axis)
         return jax.tree.leaves(coll.unbucket(mean_rows, layout_)), slot
 
     def slot_of(state, b):

@@ -1,4 +1,4 @@
-"""Old import path of :mod:`loco_jax.training.mesh` (the same module object, so attributes and patches agree)."""
+"""Old import path of :mod:`loco_jax.training.mesh`, kept for users' existing scripts (the same module object, so attributes and patches agree; the project itself imports ``loco_jax.training.mesh``)."""
 
 import sys
 

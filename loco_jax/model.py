@@ -1,4 +1,4 @@
-"""Old import path of :mod:`loco_jax.training.model` (the same module object, so attributes and patches agree)."""
+"""Old import path of :mod:`loco_jax.training.model`, kept for users' existing scripts (the same module object, so attributes and patches agree; the project itself imports ``loco_jax.training.model``)."""
 
 import sys
 

@@ -87,21 +87,25 @@ followed by the fp32 scales bitcast to bytes, so a collective moves one
 ``uint8`` buffer. Wire cost per value: ``b + 32 / block_size`` bits (4.125 at
 4 bits and the default block), 0.129 of fp32.
 
-Reference: ALGORITHMS.md section 1; LoCo (arXiv 2407.04480) and Streaming
+Reference: docs/algorithms.md, "2. Low-bit formats"; LoCo (arXiv 2407.04480) and Streaming
 DiLoCo (arXiv 2501.18512, section on quantized exchange).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from loco_jax.checks import require_int
+
 BITS = (1, 2, 4, 8)
-FORMATS = ("int", "e3m0", "uniform", "lloyd")
+Format = Literal["int", "e3m0", "uniform", "lloyd"]
+FORMATS = get_args(Format)
 FORMAT_BITS = {"int": (1, 2, 4, 8), "e3m0": (4,), "uniform": (1, 2, 4, 8), "lloyd": (1, 2, 4)}
 ROUNDING_FORMATS = ("int", "e3m0")  # the ones whose grid covers the block: stochastic rounding is unbiased
 DEFAULT_BLOCK_SIZE = 256
@@ -166,13 +170,18 @@ def _uniform_step(n):
     return (lo + hi) / 2
 
 
-# Unit-Gaussian tables, computed once at import (about half a second, most of it the 3000 Lloyd-Max iterations):
+# Unit-Gaussian tables, stored as the exact float64 values that ``_uniform_step`` and ``_lloyd_max`` compute
+# (tests/test_formats.py recomputes both and compares bit for bit), so importing the library costs nothing:
 # UNIFORM_STEP[b]: the MSE-optimal mid-rise step for 2**b levels (0.9957 at 2 bits, 0.3352 at 4);
-# LLOYD_LEVELS[b]: the Lloyd-Max levels (2 bits: -1.5104, -0.4528, 0.4528, 1.5104);
+# LLOYD_LEVELS[b]: the Lloyd-Max levels (2 bits: -1.5104, -0.4528, 0.4528, 1.5104; 3000 iterations);
 # GAUSSIAN_MSE[(format, b)]: the mean squared error per value of that quantizer on N(0, 1) (the floor a
 # rotated block approaches; 0.1175 for 2-bit Lloyd-Max).
-UNIFORM_STEP = {b: _uniform_step(2**b) for b in FORMAT_BITS["uniform"]}
-LLOYD_LEVELS = {b: _lloyd_max(2**b) for b in FORMAT_BITS["lloyd"]}
+UNIFORM_STEP = {1: 1.5957691266601488, 2: 0.9956866949850329, 4: 0.3352006028909579, 8: 0.03076238903463145}
+LLOYD_LEVELS = {
+    1: np.array([-0.7978845608028654, 0.7978845608028654]),
+    2: np.array([-1.510417608499096, -0.4527800346364921, 0.4527800346364921, 1.510417608499096]),
+    4: np.array([-2.73258957099517, -2.0690172265313813, -1.6180463860218803, -1.2562311973471765, -0.9423404564869619, -0.6567591185324638, -0.3880482994902909, -0.12839502985114706, 0.12839502985114679, 0.3880482994902892, 0.6567591185324632, 0.9423404564869604, 1.256231197347177, 1.618046386021879, 2.0690172265313804, 2.732589570995157]),
+}
 GAUSSIAN_MSE = {("uniform", b): _gaussian_cell_mse(_uniform_levels(2**b, s)) for b, s in UNIFORM_STEP.items()}
 GAUSSIAN_MSE.update({("lloyd", b): _gaussian_cell_mse(lv) for b, lv in LLOYD_LEVELS.items()})
 
@@ -198,8 +207,7 @@ def validate(bits, block_size=DEFAULT_BLOCK_SIZE, format="int", *, rotate=False,
         )
     if stochastic:
         _check_rounding_format(format)
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
-        raise ValueError(f"block_size={block_size!r} must be a positive integer (a multiple of 8, e.g. 256).")
+    require_int("block_size", block_size, "a positive integer (a multiple of 8, e.g. 256)")
     if block_size % 8:
         raise ValueError(
             f"block_size={block_size!r} must be a multiple of 8 so that every block packs into whole bytes "
@@ -230,7 +238,8 @@ def validate_compression(bits, block_size, format, *, error_bits, beta, beta_nam
         raise ValueError(f"{beta_name}={beta!r} must lie in [0, 1) (0 is plain error feedback; LoCo uses 0.8).")
 
 
-PRESETS = ("measured", "reference")
+Preset = Literal["measured", "reference"]
+PRESETS = get_args(Preset)
 
 
 def preset_settings(bits, preset, given, *, reference, measured, what):

@@ -1,4 +1,4 @@
-"""Old import path of the trainer, now split across :mod:`loco_jax.training` (re-exports of its public names)."""
+"""Old import path of the trainer, now split across :mod:`loco_jax.training` (re-exports of its public names), kept for users' existing scripts."""
 
 from loco_jax.training.checkpoints import INFLIGHT, restore_elastic  # noqa: F401
 from loco_jax.training.loop import train_and_evaluate  # noqa: F401

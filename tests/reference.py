@@ -1,4 +1,4 @@
-"""NumPy re-derivations of the formulas in ALGORITHMS.md, written independently of loco_jax."""
+"""NumPy re-derivations of the formulas in docs/algorithms.md, written independently of loco_jax."""
 
 import functools
 
@@ -35,7 +35,7 @@ def _q(v, bits, block_size, fmt):
 
 
 def loco_step(g, e, bits, beta, *, block_size=256, error_bits=8, reset=False, mode="two_stage", e2=None, fmt="int"):
-    """One LoCo step on M devices, in NumPy (ALGORITHMS.md sections 2-3).
+    """One LoCo step on M devices, in NumPy (docs/algorithms.md, "3. Quantized collectives" and "4. LoCo error compensation").
 
     g, e: (M, N) per-device gradients and stored errors, N a multiple of M * block_size;
     row i of a device's (M, N / M) bucket is chunk i. e2: (M, N / M) second-stage errors

@@ -23,7 +23,8 @@ import jax
 import pytest
 from jax._src.array import ArrayImpl
 
-from loco_jax import trainer
+from loco_jax.training.loop import train_and_evaluate
+from loco_jax.training.metrics import read_metrics
 from loco_jax.training import config as config_lib
 from loco_jax.training import loop
 from loco_jax.training.trainer import Trainer
@@ -85,17 +86,17 @@ RUNS = {"data_parallel": {"mesh.replicas": 1, "diloco.enabled": False},
 def test_quiet_steps_read_nothing_from_the_device(name, text_file, tmp_path, monkeypatch):  # noqa: F811
     cfg = small_config(text_file, log_every=4, eval_every=12, checkpoint_every=6, **RUNS[name])
     reads = HostReads().install(monkeypatch)
-    summary = trainer.train_and_evaluate(cfg, str(tmp_path), log=quiet)
+    summary = train_and_evaluate(cfg, str(tmp_path), log=quiet)
     monkeypatch.undo()
     assert reads.step == cfg.steps and summary["last_step"] == cfg.steps
     assert quiet_reads(reads.by_step, cfg) == {}, f"host reads on quiet steps: {dict(reads.by_step)}"
     assert all(reads.by_step[t] > 0 for t in sync_steps(cfg)), dict(reads.by_step)  # the counter sees reads
     if name == "data_parallel":  # the logged loss is the mean over the interval, not the last step's
         per_step = str(tmp_path / "per_step")
-        trainer.train_and_evaluate(small_config(text_file, log_every=1, eval_every=12, checkpoint_every=6,
+        train_and_evaluate(small_config(text_file, log_every=1, eval_every=12, checkpoint_every=6,
                                                 **RUNS[name]), per_step, log=quiet)
-        every = {r["step"]: r["loss"] for r in trainer.read_metrics(per_step) if "loss" in r}
-        for row in (r for r in trainer.read_metrics(str(tmp_path)) if "loss" in r):
+        every = {r["step"]: r["loss"] for r in read_metrics(per_step) if "loss" in r}
+        for row in (r for r in read_metrics(str(tmp_path)) if "loss" in r):
             want = sum(every[t] for t in range(row["step"] - 3, row["step"] + 1)) / 4
             assert row["loss"] == pytest.approx(want, rel=1e-6)
 
@@ -106,14 +107,14 @@ def test_counter_catches_a_read_on_a_quiet_step(text_file, tmp_path, monkeypatch
     reads = HostReads().install(monkeypatch)
     phase = Trainer.phase
     monkeypatch.setattr(Trainer, "phase", lambda self, step: (int(self.schedule(step)), phase(self, step))[1])
-    trainer.train_and_evaluate(cfg, str(tmp_path), log=quiet)
+    train_and_evaluate(cfg, str(tmp_path), log=quiet)
     monkeypatch.undo()
     assert set(quiet_reads(reads.by_step, cfg)) == set(range(1, cfg.steps + 1)) - sync_steps(cfg)
 
 
 def _main(config_path, workdir, coordinator, num_processes, process_id):
-    from loco_jax import config as config_lib
-    from loco_jax import mesh
+    from loco_jax.training import config as config_lib
+    from loco_jax.training import mesh
 
     mesh.initialize(coordinator, int(num_processes), int(process_id), local_device_count=4)
     patch = pytest.MonkeyPatch()

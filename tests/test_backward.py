@@ -129,21 +129,22 @@ def test_in_backward_trainer_with_diloco_and_fsdp_resumes_bit_identically(text_f
     """The trainer's FSDP step with Streaming DiLoCo around it (2 replicas x 4, 3 fragments) and LoCo in the
     backward pass (scanned, rematerialised layers, 2 micro-batches): it learns, a resume from step 7 ends
     bit-identical to the straight run, and changing loco.in_backward on resume is refused by name."""
-    from loco_jax import trainer as trainer_lib
+    from loco_jax.training.loop import train_and_evaluate
+    from loco_jax.training.metrics import read_metrics
     from tests.test_trainer import small_config
 
     sets = {"loco.in_backward": True, "mesh.fsdp": True, "model.scan_layers": True, "model.remat": True,
             "accum_steps": 2}
-    straight = trainer_lib.train_and_evaluate(small_config(text_file, **sets), str(tmp_path / "a"), log=quiet)
-    losses = [r["loss"] for r in trainer_lib.read_metrics(str(tmp_path / "a")) if "loss" in r]
+    straight = train_and_evaluate(small_config(text_file, **sets), str(tmp_path / "a"), log=quiet)
+    losses = [r["loss"] for r in read_metrics(str(tmp_path / "a")) if "loss" in r]
     assert losses[-1] < losses[0]
     resumed_dir = str(tmp_path / "b")
-    trainer_lib.train_and_evaluate(small_config(text_file, **sets), resumed_dir, log=quiet, stop_after=7)
-    resumed = trainer_lib.train_and_evaluate(small_config(text_file, **sets), resumed_dir, log=quiet)
+    train_and_evaluate(small_config(text_file, **sets), resumed_dir, log=quiet, stop_after=7)
+    resumed = train_and_evaluate(small_config(text_file, **sets), resumed_dir, log=quiet)
     for a, b in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight["state"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="loco.in_backward"):
-        trainer_lib.train_and_evaluate(small_config(text_file, **dict(sets, **{"loco.in_backward": False})),
+        train_and_evaluate(small_config(text_file, **dict(sets, **{"loco.in_backward": False})),
                                        resumed_dir, log=quiet)
 
 

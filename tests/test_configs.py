@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from loco_jax import config as config_lib
+from loco_jax.training import config as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.py"))

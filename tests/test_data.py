@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import data
+from loco_jax.training import data
 
 # --------------------------------------------------------------------------------------------------------------------
 # Tokenizers

@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from loco_jax import config as config_lib
-from loco_jax import diloco, loco, quant, trainer
+from loco_jax.training import config as config_lib
+from loco_jax import diloco, loco, quant
+from loco_jax.training.loop import train_and_evaluate
 from tests.test_trainer import quiet, small_config, text_file  # noqa: F401  (the corpus fixture)
 
 
@@ -58,7 +59,7 @@ def test_a_saved_run_keeps_its_settings_and_an_old_one_its_reference():
 def test_config_json_records_the_resolved_settings_and_an_old_workdir_resumes(text_file, tmp_path):  # noqa: F811
     workdir = str(tmp_path)
     cfg = small_config(text_file, **{"loco.bits": "2", "diloco.bits": "2"})
-    trainer.train_and_evaluate(cfg, workdir, log=quiet, stop_after=6)
+    train_and_evaluate(cfg, workdir, log=quiet, stop_after=6)
     path = os.path.join(workdir, "config.json")
     saved = json.load(open(path))
     assert {n: saved["loco"][n] for n in config_lib.RESOLVED_FIELDS["loco"]} == loco.MEASURED[2]
@@ -71,7 +72,7 @@ def test_config_json_records_the_resolved_settings_and_an_old_workdir_resumes(te
     saved["diloco"]["compensate"] = False
     json.dump(saved, open(path, "w"))
     lines = []
-    summary = trainer.train_and_evaluate(cfg, workdir, log=lines.append)
+    summary = train_and_evaluate(cfg, workdir, log=lines.append)
     assert any("resumed from checkpoint at step 6" in line for line in lines)
     assert summary["last_step"] == 12
     resumed = json.load(open(path))
@@ -79,5 +80,5 @@ def test_config_json_records_the_resolved_settings_and_an_old_workdir_resumes(te
     assert {n: resumed["diloco"][n] for n in config_lib.RESOLVED_FIELDS["diloco"]} == diloco.REFERENCE
     # an explicit change of a resolved setting on resume is still refused by name
     with pytest.raises(ValueError, match="loco.format"):
-        trainer.train_and_evaluate(small_config(text_file, **{"loco.bits": "2", "diloco.bits": "2",
+        train_and_evaluate(small_config(text_file, **{"loco.bits": "2", "diloco.bits": "2",
                                                               "loco.format": "uniform", "steps": 14}), workdir, log=quiet)

@@ -189,7 +189,7 @@ class NumpyAdamW:
 
 
 def numpy_diloco(xs, ys, steps, *, sync_every, num_fragments, overlap, alpha, outer_lr=0.7, momentum=0.9):
-    """Streaming DiLoCo from ALGORITHMS.md section 4, in NumPy, on flat parameter vectors."""
+    """Streaming DiLoCo from docs/algorithms.md, "6. DiLoCo and Streaming DiLoCo", in NumPy, on flat parameter vectors."""
     tmpl = make_params()
     leaves, treedef = jax.tree.flatten(tmpl)
     sizes = [x.size for x in leaves]

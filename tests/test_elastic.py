@@ -16,7 +16,11 @@ import orbax.checkpoint as ocp
 import optax
 import pytest
 
-from loco_jax import diloco, trainer
+from loco_jax import diloco
+from loco_jax.training.checkpoints import INFLIGHT, restore_elastic
+from loco_jax.training.loop import train_and_evaluate
+from loco_jax.training.metrics import read_metrics
+from loco_jax.training.trainer import Trainer
 from loco_jax.training import checkpoints
 from tests.test_trainer import ROOT, _env, quiet, small_config, text_file, write_config_file  # noqa: F401
 
@@ -33,7 +37,7 @@ def first_half(text_file, tmp_path_factory):  # noqa: F811
     """M = 2 x D = 4 run stopped (checkpointed) after STOP steps."""
     workdir = tmp_path_factory.mktemp("elastic")
     cfg = small_config(text_file)
-    summary = trainer.train_and_evaluate(cfg, str(workdir), log=quiet, stop_after=STOP)
+    summary = train_and_evaluate(cfg, str(workdir), log=quiet, stop_after=STOP)
     assert summary["last_step"] == STOP
     return str(workdir), cfg, summary["state"]
 
@@ -48,10 +52,10 @@ def test_two_to_four_replicas_carries_global_state_and_restarts_locals(first_hal
     src, cfg, before = first_half
     workdir = _copy(src, str(tmp_path / "run"))
     new_cfg = small_config(cfg.data.path, **{"mesh.replicas": 4, "elastic_inner_state": inner})
-    t = trainer.Trainer(new_cfg, workdir, log=quiet)
+    t = Trainer(new_cfg, workdir, log=quiet)
     manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
     logs = []
-    state, meta = trainer.restore_elastic(manager, STOP, t, {"replica": 2, "data": 4}, logs.append)
+    state, meta = restore_elastic(manager, STOP, t, {"replica": 2, "data": 4}, logs.append)
     assert meta["step"] == STOP and t.m == 4 and t.d == 2
     assert "mesh (replica=2, data=4) -> (replica=4, data=2)" in logs[0]
 
@@ -86,7 +90,7 @@ def test_two_to_four_replicas_carries_global_state_and_restarts_locals(first_hal
             else:
                 assert not np.any(block)
     # LoCo's per-device error buffers restart at zero (they were not zero before)
-    old_trainer = trainer.Trainer(cfg, workdir, log=quiet)
+    old_trainer = Trainer(cfg, workdir, log=quiet)
     old_trainer.abstract_state()  # builds its specs
     assert old_trainer.loco_error_rms(before) > 0
     assert t.loco_error_rms(state) == 0.0
@@ -96,10 +100,10 @@ def test_elastic_resume_through_the_trainer_logs_and_trains_on(first_half, tmp_p
     src, cfg, before = first_half
     workdir = _copy(src, str(tmp_path / "run"))
     logs = []
-    summary = trainer.train_and_evaluate(small_config(cfg.data.path, **{"mesh.replicas": 4}), workdir, log=logs.append)
+    summary = train_and_evaluate(small_config(cfg.data.path, **{"mesh.replicas": 4}), workdir, log=logs.append)
     assert any("elastic restart at step 6" in line for line in logs), logs
     assert summary["last_step"] == cfg.steps and np.isfinite(summary["eval_loss"])
-    rows = trainer.read_metrics(workdir)
+    rows = read_metrics(workdir)
     assert [r["step"] for r in rows if "loss" in r] == list(range(2, cfg.steps + 1, 2))  # nothing logged twice
     assert int(summary["state"].opt_state.step) == cfg.steps
 
@@ -126,12 +130,12 @@ def test_in_flight_exchange_is_completed_on_another_mesh(text_file, tmp_path):  
     flight = {"diloco.overlap": 2, "diloco.num_fragments": 2}
     cfg = small_config(text_file, **flight)
     src = str(tmp_path / "run")
-    trainer.train_and_evaluate(cfg, src, log=quiet, stop_after=7)
-    t7 = trainer.Trainer(cfg, src, log=quiet)
+    train_and_evaluate(cfg, src, log=quiet, stop_after=7)
+    t7 = Trainer(cfg, src, log=quiet)
     assert t7.tx.phase(7) == diloco.Phase(0, None) and t7.tx.phase(8) == diloco.Phase(None, 0)
-    same = trainer.train_and_evaluate(cfg, _copy(src, str(tmp_path / "same")), log=quiet, stop_after=8)
+    same = train_and_evaluate(cfg, _copy(src, str(tmp_path / "same")), log=quiet, stop_after=8)
     logs = []
-    moved = trainer.train_and_evaluate(small_config(text_file, **flight, **{"mesh.replicas": 4}),
+    moved = train_and_evaluate(small_config(text_file, **flight, **{"mesh.replicas": 4}),
                                        _copy(src, str(tmp_path / "moved")), log=logs.append, stop_after=8)
     assert any("fragment 0's outer-gradient mean was in flight" in line for line in logs), logs
 
@@ -178,10 +182,10 @@ def test_checkpoint_without_a_recorded_mesh_must_fit_this_mesh(first_half, tmp_p
         json.dump(meta, f)
     config_before = open(os.path.join(workdir, "config.json")).read()
     with pytest.raises(ValueError, match=r"does not record the mesh .*: its state leaf .* needs shape .* Resume it on the mesh"):
-        trainer.train_and_evaluate(small_config(cfg.data.path, **{"mesh.replicas": 4}), workdir, log=quiet)
+        train_and_evaluate(small_config(cfg.data.path, **{"mesh.replicas": 4}), workdir, log=quiet)
     assert ocp.CheckpointManager(os.path.join(workdir, "checkpoints")).latest_step() == STOP  # nothing written
     assert open(os.path.join(workdir, "config.json")).read() == config_before
-    summary = trainer.train_and_evaluate(cfg, workdir, log=quiet, stop_after=STOP + 1)
+    summary = train_and_evaluate(cfg, workdir, log=quiet, stop_after=STOP + 1)
     assert summary["last_step"] == STOP + 1
 
 
@@ -193,14 +197,14 @@ def test_checkpoint_that_does_not_fit_on_its_own_mesh_is_refused_by_name(first_h
 
     def older_layout(manager, step, item):
         leaves = real(manager, step, item)
-        if trainer.INFLIGHT in leaves:
-            leaves[trainer.INFLIGHT] = jax.ShapeDtypeStruct((17408,), np.float32)
+        if INFLIGHT in leaves:
+            leaves[INFLIGHT] = jax.ShapeDtypeStruct((17408,), np.float32)
         return leaves
 
     monkeypatch.setattr(checkpoints, "_saved_leaves", older_layout)
     with pytest.raises(ValueError, match=r"another version of loco-jax: its state leaf '.opt_state.inflight' is "
                                          r"shape \(17408,\) where .* needs shape \(4,\). Start a new --workdir"):
-        trainer.train_and_evaluate(cfg, workdir, log=quiet)
+        train_and_evaluate(cfg, workdir, log=quiet)
 
 
 OLD_LAYOUT = os.path.join(os.path.dirname(__file__), "data", "checkpoint_global_counts")
@@ -225,7 +229,7 @@ def test_a_checkpoint_with_global_skip_counts_resumes_with_one_count_per_replica
     workdir = _old_layout_run(text_file, tmp_path)
     cfg = small_config(text_file, **{"model.d_model": 16, "model.d_ff": 48})
     logs = []
-    summary = trainer.train_and_evaluate(cfg, workdir, log=logs.append, stop_after=8)
+    summary = train_and_evaluate(cfg, workdir, log=logs.append, stop_after=8)
     assert "resumed from checkpoint at step 6" in logs, logs
     opt = summary["state"].opt_state
     assert int(opt.step) == 8 and np.asarray(opt.skipped).tolist() == [0, 0] and int(opt.dropped) == 0
@@ -238,4 +242,4 @@ def test_an_elastic_restart_of_a_checkpoint_with_global_counts_is_refused_by_nam
     workdir = _old_layout_run(text_file, tmp_path)
     cfg = small_config(text_file, **{"model.d_model": 16, "model.d_ff": 48, "mesh.replicas": 4})
     with pytest.raises(ValueError, match=r"before replicas kept their own skip counts.*Resume it once on that mesh"):
-        trainer.train_and_evaluate(cfg, workdir, log=quiet, stop_after=8)
+        train_and_evaluate(cfg, workdir, log=quiet, stop_after=8)

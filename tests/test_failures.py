@@ -22,9 +22,9 @@ STALL_AT = 7  # the step whose outputs the stalling train.py below never deliver
 
 
 def _rows(workdir):
-    from loco_jax import trainer
+    from loco_jax.training.metrics import read_metrics
 
-    return trainer.read_metrics(workdir)
+    return read_metrics(workdir)
 
 
 def _assert_finished_once(workdir, steps):

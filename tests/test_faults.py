@@ -29,15 +29,19 @@ import orbax.checkpoint as ocp
 import pytest
 from jax import lax
 
-from loco_jax import model as model_lib
-from loco_jax import collectives, diloco, trainer
+from loco_jax.training import model as model_lib
+from loco_jax import collectives, diloco
+from loco_jax.training.loop import train_and_evaluate
+from loco_jax.training.metrics import read_metrics
+from loco_jax.training.steps import train_step
+from loco_jax.training.trainer import Dataset, Trainer
 from loco_jax.training import steps
 from tests import test_async
 from tests.test_trainer import small_config, text_file  # noqa: F401  (text_file: a fixture)
 
 BAD_STEP = 9  # Streaming DiLoCo (H 6, P 3, tau 1) sends fragment 1 at step 9: an exchange step
 INF_MARK, NAN_OUTER_MARK = 254, 255  # byte ids the test corpus (ASCII words) never contains
-_TRAIN_STEP = trainer.train_step  # the real one, which the fault injector wraps
+_TRAIN_STEP = train_step  # the real one, which the fault injector wraps
 
 
 class _Batches:
@@ -71,7 +75,7 @@ def _poisoned_all_gather_sum(all_gather_sum):
 
 
 def _poisoning_train_step(tx, mcfg, params, opt_state, inputs, targets, **kwargs):
-    """The real ``trainer.train_step`` with two fault injectors keyed on marker tokens in this device's rows.
+    """The real ``train_step`` with two fault injectors keyed on marker tokens in this device's rows.
 
     Rows holding INF_MARK scale this device's loss (hence its gradient) by Inf.
     Rows holding NAN_OUTER_MARK on any device of a replica make that replica's
@@ -110,14 +114,14 @@ FAULTS = {"corrupted batch": _corrupt_ids, "Inf gradient on one device": _inf_gr
 
 
 def _run(monkeypatch, cfg, workdir, *, corrupt=None, drop=False, stop_after=None):
-    original = trainer.Dataset.train_iterator
-    monkeypatch.setattr(trainer.Dataset, "train_iterator",
+    original = Dataset.train_iterator
+    monkeypatch.setattr(Dataset, "train_iterator",
                         lambda self, seed, state=None: _Batches(original(self, seed, state), BAD_STEP, corrupt, drop))
     monkeypatch.setattr(steps, "train_step", _poisoning_train_step)
     monkeypatch.setattr(collectives, "all_gather_sum", _poisoned_all_gather_sum(collectives.all_gather_sum))
     logs = []
     try:
-        summary = trainer.train_and_evaluate(cfg, str(workdir), log=logs.append, stop_after=stop_after)
+        summary = train_and_evaluate(cfg, str(workdir), log=logs.append, stop_after=stop_after)
     finally:  # a failing run must not leave the injectors in place for later tests
         monkeypatch.undo()
     return summary, logs
@@ -145,7 +149,7 @@ def clean_reference(text_file, tmp_path_factory):  # noqa: F811
     summary, _ = _run(monkeypatch, cfg, tmp_path_factory.mktemp("clean"))
     assert test_async.quiet_reads(reads.by_step, cfg) == {}, dict(reads.by_step)
     assert reads.step == cfg.steps and all(reads.by_step[t] for t in test_async.sync_steps(cfg))
-    t = trainer.Trainer(cfg, str(tmp_path_factory.mktemp("init")))
+    t = Trainer(cfg, str(tmp_path_factory.mktemp("init")))
     return summary, _host(diloco.global_params(t.init_state().opt_state)), t.tx.plan(model_lib.abstract_params(t.mcfg))
 
 
@@ -169,7 +173,7 @@ def test_a_poisoned_step_is_skipped_by_its_replica_or_drops_the_round_everywhere
     assert np.asarray(state.opt_state.skipped).tolist() == skipped and int(state.opt_state.step) == cfg.steps
     assert int(state.opt_state.dropped) == int(dropped)
     assert any(line.startswith(f"warning: step {BAD_STEP}: {warning}") for line in logs), logs
-    row = [r for r in trainer.read_metrics(str(tmp_path)) if "skipped_steps" in r][-1]
+    row = [r for r in read_metrics(str(tmp_path)) if "skipped_steps" in r][-1]
     assert (row["skipped_steps"], row["skipped_by_replica"], row["dropped_exchanges"]) == (sum(skipped), skipped, dropped)
     _assert_finite(state)  # error buffers, global params, outer momentum, Adam moments, in-flight buffer
     clean, initial, plan = clean_reference

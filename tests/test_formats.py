@@ -24,6 +24,16 @@ def test_gaussian_tables_match_an_independent_derivation_and_max_1960():
     assert quant.GAUSSIAN_MSE[("lloyd", 4)] == pytest.approx(0.009497, abs=2e-5)
 
 
+def test_stored_gaussian_tables_are_what_the_library_computes_bit_for_bit():
+    """quant stores its tables as constants (importing the library computes nothing); they must be exactly the
+    float64 values of its own derivations, so that a change to either shows here."""
+    for b in quant.FORMAT_BITS["lloyd"]:
+        computed = quant._lloyd_max(2**b)
+        assert computed.dtype == quant.LLOYD_LEVELS[b].dtype and np.array_equal(computed, quant.LLOYD_LEVELS[b]), b
+    for b in quant.FORMAT_BITS["uniform"]:
+        assert quant._uniform_step(2**b) == quant.UNIFORM_STEP[b], b
+
+
 @pytest.mark.parametrize("bits,fmt", FITTED)
 def test_fitted_formats_match_numpy(bits, fmt):
     x = np.random.RandomState(bits).standard_t(4, size=6 * 256).astype(np.float32)

@@ -1,4 +1,4 @@
-"""Fragment plans (ALGORITHMS.md, Streaming DiLoCo item 1): detection, assignment, extract/insert, validation."""
+"""Fragment plans (docs/algorithms.md, "6. DiLoCo and Streaming DiLoCo"): detection, assignment, extract/insert, validation."""
 
 import collections
 import dataclasses

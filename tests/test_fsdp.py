@@ -11,7 +11,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import fsdp, hlo, loco
-from loco_jax import trainer as trainer_lib
+from loco_jax.training.loop import train_and_evaluate
+from loco_jax.training.metrics import read_metrics
 from loco_jax.training import checkpoints, model as model_lib, steps
 from loco_jax.training.trainer import Trainer
 from tests.helpers import gaussian, put, rel_err
@@ -184,18 +185,18 @@ def runs(text_file, tmp_path_factory):  # noqa: F811
     out = {}
     for name, kw in (("replicated", {}), ("fsdp", {"mesh.fsdp": True})):
         workdir = str(tmp_path_factory.mktemp(name))
-        trainer_lib.train_and_evaluate(small_config(text_file, **EXACT, **kw), workdir, log=quiet)
+        train_and_evaluate(small_config(text_file, **EXACT, **kw), workdir, log=quiet)
         out[name] = workdir
     resumed = str(tmp_path_factory.mktemp("resumed"))
     cfg = small_config(text_file, **EXACT, **{"mesh.fsdp": True})
-    trainer_lib.train_and_evaluate(cfg, resumed, log=quiet, stop_after=3)
-    trainer_lib.train_and_evaluate(cfg, resumed, log=quiet)
+    train_and_evaluate(cfg, resumed, log=quiet, stop_after=3)
+    train_and_evaluate(cfg, resumed, log=quiet)
     out["resumed"] = resumed
     return out
 
 
 def _losses(workdir, key="loss"):
-    return [r[key] for r in trainer_lib.read_metrics(workdir) if key in r]
+    return [r[key] for r in read_metrics(workdir) if key in r]
 
 
 def test_fsdp_matches_the_replicated_trainer_and_resumes_bit_identically(runs):
@@ -265,7 +266,7 @@ def test_hierarchical_data_parallel_is_low_bit_only_across_hosts(text_file, tmp_
     """mesh.local=4: 2 simulated hosts x 4 devices; LoCo exact over a host's devices, 4-bit across hosts."""
     cfg = small_config(text_file, steps=4, log_every=1, eval_every=4, checkpoint_every=4,
                        **{"mesh.replicas": 1, "diloco.enabled": False, "mesh.data": 2, "mesh.local": 4})
-    trainer_lib.train_and_evaluate(cfg, str(tmp_path), log=quiet)
+    train_and_evaluate(cfg, str(tmp_path), log=quiet)
     losses = _losses(str(tmp_path))
     assert len(losses) == 4 and losses[-1] < losses[0]
     t = Trainer(cfg, str(tmp_path))

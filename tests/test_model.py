@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import fragments, hlo, loco, specs
-from loco_jax import model as M
+from loco_jax.training import model as M
 
 # hd = 8, grouped-query attention (2 query heads per kv head), fp32 compute
 SMALL = M.ModelConfig(

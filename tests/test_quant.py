@@ -1,4 +1,4 @@
-"""Quantizers and packing against a NumPy re-derivation of ALGORITHMS.md section 1."""
+"""Quantizers and packing against a NumPy re-derivation of docs/algorithms.md, "2. Low-bit formats"."""
 
 import jax
 import jax.numpy as jnp

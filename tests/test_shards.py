@@ -11,8 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from loco_jax import config as config_lib
-from loco_jax import data, trainer
+from loco_jax.training import config as config_lib
+from loco_jax.training import data
+from loco_jax.training.loop import train_and_evaluate
 from loco_jax.training import dataset as dataset_lib
 from loco_jax.training import shards
 
@@ -361,7 +362,7 @@ def test_pod_recipe_refuses_to_start_without_data_path(tmp_path):
     # A tiny config with the same flag, through the trainer: refused before anything compiles or is written.
     workdir = tmp_path / "run"
     with pytest.raises(ValueError, match=r"(?s)data.require_path=True.*prepare_data.py --input .* --tokenizer byte"):
-        trainer.train_and_evaluate(_config(None, **{"data.require_path": "true"}), str(workdir), log=_quiet)
+        train_and_evaluate(_config(None, **{"data.require_path": "true"}), str(workdir), log=_quiet)
     assert not any(workdir.iterdir())
     assert config_lib.Config().data.require_path is None  # other configs load Shakespeare as before
 
@@ -418,7 +419,7 @@ def test_bad_shard_directories_fail_early_naming_the_file(token_shards, tmp_path
     for path, error, match in (cases[2], cases[3]):
         workdir = tmp_path / f"run-{path.name}"
         with pytest.raises(error, match=match):
-            trainer.train_and_evaluate(_config(path, **{"model.vocab_size": "50000"}), str(workdir), log=_quiet)
+            train_and_evaluate(_config(path, **{"model.vocab_size": "50000"}), str(workdir), log=_quiet)
         assert not any(workdir.iterdir())
     # verify_shards catches what sizes cannot: a changed byte.
     flipped = tmp_path / "flipped"

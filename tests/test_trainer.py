@@ -15,8 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from loco_jax import config as config_lib
-from loco_jax import trainer
+from loco_jax.training import config as config_lib
+from loco_jax.training.loop import train_and_evaluate
+from loco_jax.training.metrics import read_metrics
+from loco_jax.training.steps import learning_rate_schedule
+from loco_jax.training.trainer import Trainer
 from loco_jax.training import checkpoints, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +57,7 @@ def small_config(text_file, **overrides):
 def write_config_file(path, cfg):
     """A configs/NAME.py that rebuilds ``cfg`` (for subprocess runs of train.py)."""
     path.write_text(
-        "from loco_jax import config\n"
+        "from loco_jax.training import config\n"
         f"def get_config():\n    return config.from_dict({config_lib.to_dict(cfg)!r})\n"
     )
     return str(path)
@@ -68,13 +71,13 @@ def quiet(*_):
 def straight_run(text_file, tmp_path_factory):
     """12 steps in one go: the reference for resume, and the end-to-end checks."""
     workdir, logs = str(tmp_path_factory.mktemp("straight")), []
-    summary = trainer.train_and_evaluate(small_config(text_file, sample_tokens=16), workdir, log=logs.append)
+    summary = train_and_evaluate(small_config(text_file, sample_tokens=16), workdir, log=logs.append)
     return workdir, dict(summary, logs=logs)
 
 
 def test_tiny_run_learns_and_fills_the_workdir(straight_run):
     workdir, summary = straight_run
-    rows = trainer.read_metrics(workdir)
+    rows = read_metrics(workdir)
     losses = [r["loss"] for r in rows if "loss" in r]
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert losses[-1] < losses[0] - 0.3, losses
@@ -102,40 +105,40 @@ def test_a_second_run_in_a_live_workdir_is_refused_and_changes_nothing(text_file
     with loop.workdir_lock(workdir):  # what the first run holds while it lives (released when it ended)
         with pytest.raises(RuntimeError, match=rf"workdir '{re.escape(workdir)}' is in use by another run "
                                                rf"\(pid {os.getpid()} on .+\).*another --workdir"):
-            trainer.train_and_evaluate(small_config(text_file), workdir, log=quiet)
+            train_and_evaluate(small_config(text_file), workdir, log=quiet)
     assert {name: open(os.path.join(workdir, name), "rb").read() for name in files} == before
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12", "6"]
 
 
 def test_resume_is_bit_identical_and_logs_no_step_twice(text_file, straight_run, tmp_path):
     workdir = str(tmp_path)
-    first = trainer.train_and_evaluate(small_config(text_file), workdir, log=quiet, stop_after=7)
+    first = train_and_evaluate(small_config(text_file), workdir, log=quiet, stop_after=7)
     assert first["last_step"] == 7 and first["stopped"]
     # a row logged after the last checkpoint (step 7 was checkpointed on stop, so fake a later one)
     with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 8, "loss": 123.0}) + "\n")
     lines = []
-    resumed = trainer.train_and_evaluate(small_config(text_file), workdir, log=lines.append)
+    resumed = train_and_evaluate(small_config(text_file), workdir, log=lines.append)
     assert any("resumed from checkpoint at step 7" in line for line in lines)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, resumed["state"]), jax.tree.map(np.asarray, straight_run[1]["state"]))
-    steps = [r["step"] for r in trainer.read_metrics(workdir)]
+    steps = [r["step"] for r in read_metrics(workdir)]
     assert steps == sorted(set(steps)), steps
-    assert 123.0 not in [r.get("loss") for r in trainer.read_metrics(workdir)]
-    straight_rows = trainer.read_metrics(straight_run[0])
-    resumed_rows = trainer.read_metrics(workdir)
+    assert 123.0 not in [r.get("loss") for r in read_metrics(workdir)]
+    straight_rows = read_metrics(straight_run[0])
+    resumed_rows = read_metrics(workdir)
     key = lambda rows: [(r["step"], r.get("loss"), r.get("eval_loss")) for r in rows if r["step"] > 7]
     assert key(resumed_rows) == key(straight_rows)
 
 
 def test_same_config_and_seed_give_bit_identical_losses(text_file, straight_run, tmp_path):
-    trainer.train_and_evaluate(small_config(text_file), str(tmp_path), log=quiet)
+    train_and_evaluate(small_config(text_file), str(tmp_path), log=quiet)
     key = lambda rows: [(r["step"], r.get("loss"), r.get("eval_loss"), r.get("loco_error_rms")) for r in rows if r["step"] <= 12]
-    assert key(trainer.read_metrics(str(tmp_path))) == key(trainer.read_metrics(straight_run[0]))
+    assert key(read_metrics(str(tmp_path))) == key(read_metrics(straight_run[0]))
 
 
 def test_changed_model_on_resume_is_refused(text_file, straight_run):
     with pytest.raises(ValueError, match="model.d_model"):
-        trainer.train_and_evaluate(small_config(text_file, **{"model.d_model": 48}), straight_run[0], log=quiet)
+        train_and_evaluate(small_config(text_file, **{"model.d_model": 48}), straight_run[0], log=quiet)
 
 
 def test_a_finished_run_reruns_as_a_no_op_then_raising_steps_extends_it(text_file, straight_run, tmp_path, capsys):
@@ -152,16 +155,16 @@ def test_a_finished_run_reruns_as_a_no_op_then_raising_steps_extends_it(text_fil
     assert f"the run in {workdir} is already at step 12: nothing to train" in out, out
     assert "done: step 12, eval loss" in out and "eval loss None" not in out
     lines = []
-    summary = trainer.train_and_evaluate(small_config(text_file, steps=10), workdir, log=lines.append)
+    summary = train_and_evaluate(small_config(text_file, steps=10), workdir, log=lines.append)
     assert summary["last_step"] == 12 and "already past steps=10, at step 12" in lines[0], lines
     assert {name: open(os.path.join(workdir, name), "rb").read() for name in files} == before
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12", "6"]
 
     lines = []
-    summary = trainer.train_and_evaluate(small_config(text_file, steps=14), straight_run[0], log=lines.append)
+    summary = train_and_evaluate(small_config(text_file, steps=14), straight_run[0], log=lines.append)
     assert any("steps changed 12 -> 14" in line for line in lines), lines
     assert summary["last_step"] == 14
-    steps = [r["step"] for r in trainer.read_metrics(straight_run[0])]
+    steps = [r["step"] for r in read_metrics(straight_run[0])]
     assert steps[-1] == 14 and steps == sorted(set(steps))
 
 
@@ -232,7 +235,7 @@ def test_two_processes_match_one_process_and_read_nothing_on_quiet_steps(text_fi
         by_step = {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
         assert test_async.quiet_reads(by_step, cfg) == {}, by_step
         assert max(by_step) == cfg.steps and all(by_step.get(t) for t in test_async.sync_steps(cfg)), by_step
-    a, b = trainer.read_metrics(single), trainer.read_metrics(multi)
+    a, b = read_metrics(single), read_metrics(multi)
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         # same programs and data; only the order of the cross-process sums may differ
@@ -290,10 +293,10 @@ def test_sigkill_at_random_points_then_rerun_matches_an_uninterrupted_run(text_f
         if proc.returncode == 0:
             break
     assert kills >= 1 and proc.returncode == 0
-    got = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in trainer.read_metrics(workdir)]
-    want = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in trainer.read_metrics(straight_run[0]) if r["step"] <= 12]
+    got = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in read_metrics(workdir)]
+    want = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in read_metrics(straight_run[0]) if r["step"] <= 12]
     assert got == want, "every step logged once, with the uninterrupted run's numbers"
-    t = trainer.Trainer(cfg, workdir, log=quiet)
+    t = Trainer(cfg, workdir, log=quiet)
     t.init_state()  # sets the specs the restore needs
     manager = checkpoints.checkpoint_manager(workdir, cfg.keep_checkpoints)
     assert manager.latest_step() == 12
@@ -304,12 +307,12 @@ def test_sigkill_at_random_points_then_rerun_matches_an_uninterrupted_run(text_f
 
 def test_replica_check_is_exact_for_any_replica_count(text_file, tmp_path):
     """Eight identical replicas pass (a pmean-based check would see rounding and refuse)."""
-    t = trainer.Trainer(small_config(text_file, **{"mesh.replicas": 8}), str(tmp_path), log=quiet)
+    t = Trainer(small_config(text_file, **{"mesh.replicas": 8}), str(tmp_path), log=quiet)
     loop._check_replicas_identical(t, t.init_state(), resumed=False)
 
 
 def test_replicas_that_differ_are_refused(text_file, tmp_path):
-    t = trainer.Trainer(small_config(text_file), str(tmp_path), log=quiet)
+    t = Trainer(small_config(text_file), str(tmp_path), log=quiet)
     state = t.init_state()
     loop._check_replicas_identical(t, state, resumed=False)  # identical: passes
     head = state.params["lm_head"]["kernel"]
@@ -326,8 +329,8 @@ def test_data_parallel_configs_train(text_file, tmp_path, bits):
     """The ddp and loco configs: one replica, the whole mesh on `data`."""
     cfg = small_config(text_file, **{"mesh.replicas": 1, "diloco.enabled": "false", "loco.bits": str(bits),
                                      "steps": 6, "eval_every": 6, "checkpoint_every": 6})
-    summary = trainer.train_and_evaluate(cfg, str(tmp_path), log=quiet)
-    rows = trainer.read_metrics(str(tmp_path))
+    summary = train_and_evaluate(cfg, str(tmp_path), log=quiet)
+    rows = read_metrics(str(tmp_path))
     assert summary["last_step"] == 6 and rows[-1]["loss"] < rows[0]["loss"]
     assert int(summary["state"].opt_state.skipped) == 0
 
@@ -335,7 +338,7 @@ def test_data_parallel_configs_train(text_file, tmp_path, bits):
 def test_warmup_longer_than_the_run_is_shortened_so_the_peak_is_reached():
     cfg = config_lib.Config(steps=10)
     cfg.optim.warmup_steps, cfg.optim.lr, cfg.optim.min_lr_ratio = 50, 1e-3, 0.1
-    lr = trainer.learning_rate_schedule(cfg)
+    lr = learning_rate_schedule(cfg)
     values = [float(lr(t)) for t in range(cfg.steps + 1)]
     assert values[0] == 0.0 and np.isclose(max(values), 1e-3) and np.argmax(values) == cfg.steps - 1
     assert np.isclose(values[cfg.steps], 1e-4)

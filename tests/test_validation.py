@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from loco_jax import config as config_lib
-from loco_jax import trainer
+from loco_jax.training import config as config_lib
+from loco_jax.training.loop import train_and_evaluate
+from loco_jax.training.trainer import Trainer
 from tests.test_trainer import quiet, small_config, text_file  # noqa: F401  (the corpus fixture)
 
 
@@ -77,7 +78,7 @@ def test_bad_setting_fails_early_and_writes_nothing(text_file, tmp_path, overrid
     workdir = tmp_path / "run"
     with pytest.raises(error, match=match):
         cfg = small_config(text_file, **overrides)
-        trainer.train_and_evaluate(cfg, str(workdir), log=quiet)
+        train_and_evaluate(cfg, str(workdir), log=quiet)
     assert not workdir.exists() or not any(workdir.iterdir()), "nothing may be written for a bad setting"
 
 
@@ -98,11 +99,11 @@ def test_unknown_keys_and_wrong_types(assignment, match):
 
 def test_changed_optimizer_and_model_shape_on_resume_are_refused(text_file, tmp_path):  # noqa: F811
     workdir = str(tmp_path)
-    trainer.train_and_evaluate(small_config(text_file, steps=2, checkpoint_every=2, eval_every=2), workdir, log=quiet)
+    train_and_evaluate(small_config(text_file, steps=2, checkpoint_every=2, eval_every=2), workdir, log=quiet)
     before = sorted(os.listdir(tmp_path)), open(tmp_path / "config.json").read()
     for overrides, field in (({"optim.lr": "0.1"}, "optim.lr"), ({"model.num_layers": "3"}, "model.num_layers")):
         with pytest.raises(ValueError, match=f"{field}.*cannot change on resume"):
-            trainer.train_and_evaluate(small_config(text_file, steps=2, checkpoint_every=2, eval_every=2, **overrides),
+            train_and_evaluate(small_config(text_file, steps=2, checkpoint_every=2, eval_every=2, **overrides),
                                        workdir, log=quiet)
     assert (sorted(os.listdir(tmp_path)), open(tmp_path / "config.json").read()) == before
 
@@ -110,7 +111,7 @@ def test_changed_optimizer_and_model_shape_on_resume_are_refused(text_file, tmp_
 @pytest.mark.parametrize("micro_batch,accum", [(None, 1), (1, 2), (2, 1), (64, 1)])
 def test_micro_batch_derives_the_accumulation_from_the_device_count(text_file, micro_batch, accum):  # noqa: F811
     """2 sequences per device (16 over 8 devices): micro-batches of 1 are 2 of them; 2 or more, one."""
-    t = trainer.Trainer(small_config(text_file, **({} if micro_batch is None else {"micro_batch": micro_batch})), None,
+    t = Trainer(small_config(text_file, **({} if micro_batch is None else {"micro_batch": micro_batch})), None,
                         log=quiet)
     assert t.accum_steps == accum
 

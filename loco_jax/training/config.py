@@ -15,10 +15,12 @@ import os
 import types
 import typing
 
+from loco_jax.checks import require_int
+
 
 @dataclasses.dataclass
 class ModelFields:
-    """The transformer (see ``loco_jax.model.ModelConfig``)."""
+    """The transformer (see ``loco_jax.training.model.ModelConfig``)."""
 
     vocab_size: int = 256
     d_model: int = 128
@@ -163,7 +165,7 @@ class Config:
 
 
 # Fields whose change on resume would silently change the run: refused. The mesh may change: that is
-# an elastic restart (see trainer.restore_elastic).
+# an elastic restart (see loco_jax.training.checkpoints.restore_elastic).
 FROZEN_ON_RESUME = ("model", "optim", "loco", "diloco", "seed", "batch_size", "seq_len", "data")
 # how the step computes, not what it trains: free to change on resume (an attention kernel)
 CHANGEABLE_ON_RESUME = ("model.attention",)
@@ -308,10 +310,10 @@ def load(path: str, assignments=()) -> Config:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
-        raise ValueError(f"config file {path!r} must define get_config() returning a loco_jax.config.Config.")
+        raise ValueError(f"config file {path!r} must define get_config() returning a loco_jax.training.config.Config.")
     cfg = module.get_config()
     if not isinstance(cfg, Config):
-        raise ValueError(f"get_config() in {path!r} returned {type(cfg).__name__}, not a loco_jax.config.Config.")
+        raise ValueError(f"get_config() in {path!r} returned {type(cfg).__name__}, not a loco_jax.training.config.Config.")
     cfg = override(cfg, assignments)
     validate(cfg)
     return cfg
@@ -321,12 +323,9 @@ def validate(cfg: Config):
     """Cross-field checks that need no devices; messages name the value and what is allowed."""
     for name in ("steps", "batch_size", "accum_steps", "seq_len", "eval_every", "log_every", "checkpoint_every",
                  "keep_checkpoints"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive integer.")
+        require_int(name, getattr(cfg, name))
     if cfg.micro_batch is not None:
-        if not isinstance(cfg.micro_batch, int) or isinstance(cfg.micro_batch, bool) or cfg.micro_batch <= 0:
-            raise ValueError(f"micro_batch={cfg.micro_batch!r} must be a positive integer or None.")
+        require_int("micro_batch", cfg.micro_batch, "a positive integer or None")
         if cfg.accum_steps != 1:
             raise ValueError(
                 f"micro_batch={cfg.micro_batch} derives accum_steps from the device count, and accum_steps="
@@ -336,8 +335,7 @@ def validate(cfg: Config):
             f"seq_len={cfg.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; use seq_len <= "
             f"{cfg.model.max_seq_len} or raise model.max_seq_len."
         )
-    if not isinstance(cfg.sample_tokens, int) or isinstance(cfg.sample_tokens, bool) or cfg.sample_tokens < 0:
-        raise ValueError(f"sample_tokens={cfg.sample_tokens!r} must be an integer >= 0 (0: no samples at the end).")
+    require_int("sample_tokens", cfg.sample_tokens, "an integer >= 0 (0: no samples at the end)", minimum=0)
     if cfg.nonfinite not in ("skip", "stop"):
         raise ValueError(f"nonfinite={cfg.nonfinite!r} must be 'skip' or 'stop'.")
     if cfg.elastic_inner_state not in ("copy", "reset"):
@@ -354,9 +352,7 @@ def validate(cfg: Config):
             f"data.sp_model={cfg.data.sp_model!r} is a SentencePiece model, but data.tokenizer={cfg.data.tokenizer!r}; "
             "set data.tokenizer=sentencepiece (or unset data.sp_model)."
         )
-    if not isinstance(cfg.data.sp_vocab_size, int) or isinstance(cfg.data.sp_vocab_size, bool) or (
-            cfg.data.sp_vocab_size < 1):
-        raise ValueError(f"data.sp_vocab_size={cfg.data.sp_vocab_size!r} must be a positive integer.")
+    require_int("data.sp_vocab_size", cfg.data.sp_vocab_size)
     for section in RESOLVED_FIELDS:
         node, lib = getattr(cfg, section), _library(section)
         if node.preset not in lib.PRESETS:

@@ -25,6 +25,8 @@ import os
 import jax
 import numpy as np
 
+from loco_jax.checks import require_int
+
 AXES = ("replica", "data")
 AXES_LOCAL = ("replica", "data", "local")
 
@@ -83,8 +85,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     error with a C++ stack trace; its Python callback for this is not usable in jaxlib 0.10):
     :func:`loco_jax.training.failure.supervise` turns that into one message and exit status 75.
     """
-    if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, int) or heartbeat_timeout < 1:
-        raise ValueError(f"heartbeat timeout {heartbeat_timeout!r} must be a whole number of seconds >= 1.")
+    require_int("heartbeat_timeout", heartbeat_timeout, "a whole number of seconds >= 1")
     settings = distributed_settings(coordinator_address, num_processes, process_id)
     if local_device_count is not None:
         flags = os.environ.get("XLA_FLAGS", "")
@@ -109,15 +110,13 @@ def make_mesh(replicas: int = 1, data: int | None = None, local: int = 1, device
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     for name, value in (("replicas", replicas), ("local", local)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"mesh.{name}={value!r} must be a positive integer.")
+        require_int(f"mesh.{name}", value)
     if data is None:
         if n % (replicas * local):
             sizes = f"mesh.replicas={replicas}" + (f" x mesh.local={local}" if local > 1 else "")
             raise ValueError(f"{sizes} does not divide the {n} devices; choose sizes whose product divides {n}.")
         data = n // (replicas * local)
-    if isinstance(data, bool) or not isinstance(data, int) or data < 1:
-        raise ValueError(f"mesh.data={data!r} must be a positive integer.")
+    require_int("mesh.data", data)
     if replicas * data * local != n:
         raise ValueError(
             f"mesh (replica={replicas}, data={data}, local={local}) needs {replicas * data * local} devices, but "

@@ -90,6 +90,7 @@ import optax
 from flax import nnx
 
 from loco_jax import fragments
+from loco_jax.checks import is_int, require_int
 
 __all__ = [
     "CONFIGS",
@@ -160,14 +161,13 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ModelConfig.{name}={v!r} must be a positive int.")
+            require_int(f"ModelConfig.{name}", v, "a positive int")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}.")
         if self.head_dim % 2:
             raise ValueError(f"head_dim = d_model / num_heads = {self.head_dim} must be even for RoPE.")
         kv = self.kv_heads
-        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or self.num_heads % kv:
+        if not is_int(kv) or kv < 1 or self.num_heads % kv:
             raise ValueError(
                 f"num_kv_heads={self.num_kv_heads!r} must be a positive divisor of num_heads={self.num_heads}."
             )
@@ -518,8 +518,7 @@ def generate(
     if not 1 <= P <= window:
         raise ValueError(f"prompt length {P} must lie in [1, window={window}]; trim the prompt to its last "
                          f"{window} tokens.")
-    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
-        raise ValueError(f"length={length!r} must be a non-negative int.")
+    require_int("length", length, "a non-negative int", minimum=0)
     vocab = config.vocab_size if vocab_size is None else int(vocab_size)
     if not 1 <= vocab <= config.vocab_size:
         raise ValueError(f"vocab_size={vocab_size} must lie in [1, model vocab_size={config.vocab_size}].")

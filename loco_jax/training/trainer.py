@@ -69,7 +69,7 @@ def _accum_steps(cfg, per_device, n_dev):
 
 
 class Trainer:
-    """Builds the mesh, data, programs and state of a config; ``run()`` trains."""
+    """Builds the mesh, data, programs and state of a config; :func:`loco_jax.training.loop.train_and_evaluate` trains with it."""
 
     def __init__(self, cfg: config_lib.Config, workdir: str, log=emit, devices=None):
         """``devices``: the mesh's devices (default: every visible one; compile-only GPU devices from

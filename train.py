@@ -69,7 +69,7 @@ def main(argv=None):
     if not args.sample and (sample_options or args.sample_seed):
         parser.error("--sample-length, --temperature, --top-k, --sample-seed and --prompt go with --sample.")
     if args.sample:
-        from loco_jax.training import sample
+        from loco_jax.training import sample_command
 
         if args.plot:
             parser.error("--sample and --plot are separate commands; give one.")
@@ -78,7 +78,7 @@ def main(argv=None):
         if args.temperature is not None and not args.temperature >= 0:
             parser.error(f"--temperature={args.temperature} must be >= 0 (0: greedy).")
         try:
-            sample.latest_checkpoint_step(workdir)
+            sample_command.latest_checkpoint_step(workdir)
         except FileNotFoundError as e:
             parser.exit(1, f"train.py --sample: {e}\n")
     else:
@@ -113,7 +113,7 @@ def main(argv=None):
         DEFAULT_STEP_TIMEOUT if settings and settings["num_processes"] > 1 else 0)
 
     if args.sample:
-        sample.sample_workdir(workdir, args.overrides, seed=args.sample_seed, **sample_options)
+        sample_command.sample_workdir(workdir, args.overrides, seed=args.sample_seed, **sample_options)
         return 0
 
     from loco_jax.training.loop import train_and_evaluate

@@ -35,7 +35,7 @@ from benchmarks import common  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from loco_jax.training import data, shards  # noqa: E402
+from loco_jax.training import data, shard_reader, shards  # noqa: E402
 
 HEADING = "## Token shards: preparation and loading throughput (benchmarks/shards.py)"
 SEQ_LEN, GLOBAL_BATCH, STEP_S = 2048, 512, 0.1
@@ -168,11 +168,11 @@ def loader_rows(root: str, num_tokens: int, repeats: int, min_s: float) -> str:
         need = POD_TOKENS_PER_S / hosts
         nan = float("nan")
         cold = _rate(sharded, hosts, repeats, min_s, evict=lambda: _evict(files)) if can_evict else nan
-        announce, shards._WILLNEED = shards._WILLNEED, None  # rows read one page fault after another
+        announce, shard_reader._WILLNEED = shard_reader._WILLNEED, None  # rows read one page fault after another
         try:
             faults = _rate(sharded, hosts, repeats, min_s, evict=lambda: _evict(files)) if can_evict else nan
         finally:
-            shards._WILLNEED = announce
+            shard_reader._WILLNEED = announce
         _cache_in(files + [single])
         warm = _rate(sharded, hosts, repeats, min_s)
         one = _rate(flat, hosts, repeats, min_s)

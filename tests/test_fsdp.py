@@ -227,10 +227,10 @@ def test_fsdp_state_is_sharded_like_the_parameters(text_file):  # noqa: F811
 def test_samples_come_from_the_sharded_global_parameters(runs):
     """train.py --sample on an FSDP workdir: the sharded global parameters are gathered to one device; the
     greedy continuation equals the replicated run's (the two runs hold the same parameters to the bit)."""
-    from loco_jax.training import sample
+    from loco_jax.training import sample_command
 
-    got = sample.sample_workdir(runs["fsdp"], log=quiet, prompts=["the "], length=8, temperature=0.0)
-    want = sample.sample_workdir(runs["replicated"], log=quiet, prompts=["the "], length=8, temperature=0.0)
+    got = sample_command.sample_workdir(runs["fsdp"], log=quiet, prompts=["the "], length=8, temperature=0.0)
+    want = sample_command.sample_workdir(runs["replicated"], log=quiet, prompts=["the "], length=8, temperature=0.0)
     assert got and got == want
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from loco_jax.training import data as data_lib
 from loco_jax.training import model as M
-from loco_jax.training import sample
+from loco_jax.training import sample, sample_command
 from loco_jax.training.steps import model_config
 from tests.test_trainer import ROOT, quiet, small_config, text_file  # noqa: F401  (text_file: a fixture)
 
@@ -218,7 +218,7 @@ def test_train_py_sample_prints_the_checkpoints_samples(text_file, tmp_path):  #
     assert [re.match(r'  "(.*)" -> "(.*)"$', line).group(1) for line in shown] == ["the of", "said"], out
     # the same lines as generating in this process from the restored checkpoint's parameters
     trainer = Trainer(cfg, workdir, quiet)
-    state, meta = sample.restore_latest(trainer, workdir, quiet)
+    state, meta = sample_command.restore_latest(trainer, workdir, quiet)
     assert meta["step"] == 2
     expected = sample.samples(trainer.cfg, trainer.eval_params(state), trainer.dataset.tokens.tokenizer,
                               prompts=["the of", "said"], length=16, temperature=0)

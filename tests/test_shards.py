@@ -13,9 +13,11 @@ import pytest
 
 from loco_jax.training import config as config_lib
 from loco_jax.training import data
-from loco_jax.training.loop import train_and_evaluate
 from loco_jax.training import dataset as dataset_lib
 from loco_jax.training import shards
+from loco_jax.training.corpus import file_sha256
+from loco_jax.training.loop import train_and_evaluate
+from loco_jax.training.tokens import encode_works
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = ["thou", "art", "the", "king", "of", "Denmark", "lord", "sweet", "night", "good", "my", "and", "Ünïcödé"]
@@ -60,7 +62,7 @@ def _direct(tok, docs, eval_every):
     """Tokenizing directly: each document encoded whole, joined by the separator, as data.load_data does."""
     train = [d for i, d in enumerate(docs) if (i + 1) % eval_every]
     held = [d for i, d in enumerate(docs) if (i + 1) % eval_every == 0]
-    return data._encode_works(tok, train), data._encode_works(tok, held)
+    return encode_works(tok, train), encode_works(tok, held)
 
 
 def _quiet(*_, **__):
@@ -109,7 +111,7 @@ def test_sentencepiece_round_trip_with_pieces(corpus, tmp_path):
                        sample_chars=40_000, shard_tokens=2048, eval_every=4, text_field="body", log=_quiet)
     tok = data.SentencePieceTokenizer.load(out / "tokenizer.model")
     assert tok.vocab_size == 300 and m["tokenizer"]["vocab_size"] == 300
-    assert m["tokenizer"]["sha256"] == data._sha256(out / "tokenizer.model")
+    assert m["tokenizer"]["sha256"] == file_sha256(out / "tokenizer.model")
     assert m["source"]["piece_chars"] == shards.PIECE_CHARS  # the long work was encoded in pieces ...
     s = shards.open_shards(out, tokenizer="sentencepiece", vocab_size=300, sp_model=out / "tokenizer.model")
     train, held = _direct(tok, _docs(corpus), 4)

@@ -5,9 +5,12 @@ imports nothing from here. Modules, in the order a config flows through them:
 
 - :mod:`~loco_jax.training.config`: the ``Config`` dataclasses, ``configs/*.py`` loading, validation;
 - :mod:`~loco_jax.training.mesh`: ``jax.distributed`` start-up and the ``(replica, data)`` mesh;
-- :mod:`~loco_jax.training.data`: corpora, tokenizers, token files and restartable batches;
-- :mod:`~loco_jax.training.shards`: token shard directories (manifest, writer, memory-mapped reader),
-  made by ``prepare_data.py``;
+- :mod:`~loco_jax.training.data`: the data modules' public names: :mod:`~loco_jax.training.corpus` (texts
+  and the held-out split), :mod:`~loco_jax.training.tokenizers`, :mod:`~loco_jax.training.tokens` (token
+  files, ``load_data``) and :mod:`~loco_jax.training.batches` (restartable batches, eval windows);
+- :mod:`~loco_jax.training.shards`: token shard directories made by ``prepare_data.py``, gathering
+  :mod:`~loco_jax.training.shard_format`, :mod:`~loco_jax.training.shard_reader`,
+  :mod:`~loco_jax.training.shard_writer` and :mod:`~loco_jax.training.prepare`;
 - :mod:`~loco_jax.training.dataset`: a run's token streams and this process's rows of a batch;
 - :mod:`~loco_jax.training.model`: the LLaMA-style Flax model and its loss;
 - :mod:`~loco_jax.training.steps`: the optimizer of a config, ``train_step`` and ``eval_step``;
@@ -16,5 +19,6 @@ imports nothing from here. Modules, in the order a config flows through them:
 - :mod:`~loco_jax.training.failure`: a dead peer process or a hung step ends the run with one message;
 - :mod:`~loco_jax.training.checkpoints`: orbax checkpoints and elastic restore;
 - :mod:`~loco_jax.training.metrics`: ``metrics.jsonl``, the summary table, the plot, progress;
-- :mod:`~loco_jax.training.sample`: text generated from the global parameters (end of a run, ``--sample``).
+- :mod:`~loco_jax.training.sample`: text generated from the global parameters (end of a run);
+- :mod:`~loco_jax.training.sample_command`: ``train.py --sample``, a checkpoint's samples without training.
 """

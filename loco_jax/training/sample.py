@@ -8,8 +8,9 @@
       samples (step 300, temperature 0.8, 64 tokens each, global parameters):
         "KING HENRY" -> " VIII. I will not so much the sea\\n  ..."
 
-- :func:`sample_workdir`: ``python train.py --sample``: restores a workdir's latest checkpoint (as
-  the loop does, elastic restore included) and prints that block, without training.
+
+``python train.py --sample`` (restore a workdir's latest checkpoint and print that block, without
+training) is :mod:`loco_jax.training.sample_command`, which builds a Trainer; this module does not.
 
 Generation runs on **one device** with a copy of the global parameters: the trainer's are
 replicated over the whole mesh (``P()``), so each leaf's copy on this process's first device is
@@ -25,7 +26,6 @@ prompts at once, plus one compile: about a second or two for the tiny CPU models
 
 from __future__ import annotations
 
-import os
 
 import jax
 import numpy as np
@@ -39,11 +39,8 @@ __all__ = [
     "default_prompts",
     "escape",
     "format_samples",
-    "latest_checkpoint_step",
     "on_one_device",
     "print_samples",
-    "restore_latest",
-    "sample_workdir",
     "samples",
 ]
 
@@ -271,68 +268,3 @@ def print_samples(trainer, state, log=print, *, step: int | None = None, prompts
                            top_k=top_k, step=_state_step(state) if step is None else step)
     log("\n".join(lines))
     return lines
-
-
-# ---------------------------------------------------------------------------- python train.py --sample
-
-
-def latest_checkpoint_step(workdir: str) -> int:
-    """The newest finished checkpoint step on disk (``checkpoints/<int>/``), read without orbax or jax
-    devices, so ``train.py --sample`` can fail early; raises ``FileNotFoundError`` naming what is missing.
-
-    A folder named by an int is a finished one (:func:`~loco_jax.training.checkpoints.complete_checkpoint_steps`);
-    :func:`restore_latest` asks orbax again.
-    """
-    from loco_jax.training.checkpoints import complete_checkpoint_steps
-
-    folder = os.path.join(workdir, "checkpoints")
-    steps = complete_checkpoint_steps(workdir)
-    if not steps:
-        raise FileNotFoundError(
-            f"no checkpoint in {folder}: --sample needs a trained run; train first with "
-            f"`python train.py --config CONFIG --workdir {workdir}` (it checkpoints every checkpoint_every steps "
-            "and at the end)."
-        )
-    if not os.path.isfile(os.path.join(workdir, "config.json")):
-        raise FileNotFoundError(f"{workdir} has checkpoints but no config.json; --sample needs the run's config.")
-    return steps[-1]
-
-
-def restore_latest(trainer, workdir: str, log=print):
-    """(state, meta) of the workdir's latest checkpoint, restored as the loop restores a run: on the mesh
-    it was written on directly, on another mesh by the elastic restore. Raises ``FileNotFoundError``
-    when orbax finds no complete checkpoint."""
-    from loco_jax.training.checkpoints import checkpoint_manager, restore_step
-
-    latest_checkpoint_step(workdir)  # before the manager, which would create checkpoints/
-    manager = checkpoint_manager(workdir, trainer.cfg.keep_checkpoints)
-    try:
-        latest = manager.latest_step()
-        if latest is None:
-            raise FileNotFoundError(f"no complete checkpoint in {os.path.join(workdir, 'checkpoints')}.")
-        return restore_step(manager, latest, trainer, log)
-    finally:
-        manager.close()
-
-
-def sample_workdir(workdir: str, overrides=(), log=print, **kwargs) -> list[str] | None:
-    """``python train.py --sample``: the samples block of the workdir's latest checkpoint, no training.
-
-    The config is the run's own ``config.json``; ``overrides`` (``--set``) may change what does not
-    touch the trained state (the mesh, for instance) and are refused otherwise, as on resume.
-    ``kwargs`` go to :func:`print_samples` (``length``, ``temperature``, ``top_k``, ``seed``, ``prompts``,
-    ``num``). Call it on every process of a multi-process run.
-    """
-    from loco_jax.training import config as config_lib
-    from loco_jax.training.checkpoints import check_resume_config, saved_config
-    from loco_jax.training.trainer import Trainer
-
-    latest_checkpoint_step(workdir)
-    saved = saved_config(workdir)
-    cfg = config_lib.override(config_lib.from_dict(saved), overrides)
-    config_lib.validate(cfg)
-    cfg = config_lib.resolve(cfg, saved)
-    check_resume_config(workdir, cfg, saved, log)
-    trainer = Trainer(cfg, workdir, log)
-    state, meta = restore_latest(trainer, workdir, log)
-    return print_samples(trainer, state, log, step=meta["step"], **kwargs)

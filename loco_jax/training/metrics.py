@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 from loco_jax import hlo
+from loco_jax.training.progress import ProgressLine
 
 
 def emit(line):
@@ -15,21 +15,18 @@ def emit(line):
 
 
 class Progress:
-    """One updating line on a terminal, plain log lines elsewhere."""
+    """The loop's progress: ``[####....] step/total text`` in place on a terminal
+    (:class:`~loco_jax.training.progress.ProgressLine`); elsewhere nothing, as the loop logs each row."""
 
     def __init__(self, total):
-        self.total, self.tty = total, sys.stderr.isatty()
+        self.total, self.line = total, ProgressLine(width=30, every_s=None)
+        self.tty = self.line.tty
 
     def update(self, step, text):
-        if self.tty:
-            width = 30
-            done = int(width * step / self.total)
-            sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} {text}   ")
-            sys.stderr.flush()
+        self.line.show(step / self.total, f"{step}/{self.total} {text}")
 
     def close(self):
-        if self.tty:
-            sys.stderr.write("\n")
+        self.line.close()
 
 
 

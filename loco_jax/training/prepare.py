@@ -28,7 +28,6 @@ import io
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -40,6 +39,7 @@ from loco_jax.training.shard_format import (
     DEFAULT_EVAL_EVERY, DEFAULT_EVAL_TAIL, DEFAULT_SAMPLE_CHARS, DEFAULT_SHARD_TOKENS, PIECE_CHARS, SPLITS,
     TOKENIZER_FILE, READ_BLOCK, token_dtype, write_manifest,
 )
+from loco_jax.training.progress import ProgressLine, hms
 from loco_jax.training.shard_writer import ShardWriter, build_manifest, tail_tokens, tokenizer_entry
 from loco_jax.training.tokenizers import ByteTokenizer, SentencePieceTokenizer
 
@@ -254,53 +254,30 @@ def pieces_are_exact(tok, texts: Iterable[str], piece_chars: int = 256, max_char
 
 
 class TextProgress:
-    """Progress of :func:`prepare`: one line updated in place on a terminal, a plain line every ``every_s``
-    seconds otherwise (logs, CI). No dependency."""
+    """Progress of :func:`prepare` on a :class:`~loco_jax.training.progress.ProgressLine`: per phase, the
+    share of its input bytes, MiB/s, tokens and shards, and the time left; on a terminal every 0.2 s,
+    elsewhere a line every 30 s (``every_s``)."""
 
     def __init__(self, stream=None, *, every_s: float | None = None):
-        self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.every_s = every_s if every_s is not None else (0.2 if self.tty else 30.0)
-        self._last, self._t0, self._phase, self._open = 0.0, time.perf_counter(), None, False
+        self.line = ProgressLine(stream)
+        self.line.every_s = every_s if every_s is not None else (0.2 if self.line.tty else 30.0)
+        self._t0, self._phase = time.perf_counter(), None
 
     def __call__(self, phase: str, done: int, total: int, tokens: int = 0, shards: int = 0, final: bool = False):
         now = time.perf_counter()
         if phase != self._phase:
-            self._end_line()
-            self._phase, self._t0, self._last = phase, now, now
-        if not final and now - self._last < self.every_s:
-            return
-        self._last = now
+            self.line.restart(wait=True)  # a phase's first line comes after every_s, as its later ones
+            self._phase, self._t0 = phase, now
         dt = max(now - self._t0, 1e-9)
         frac = min(1.0, done / total) if total else 0.0
         eta = (dt / frac - dt) if 0 < frac < 1 else 0.0
         text = (f"{phase}: {frac:6.1%} {done / 2**20:,.1f}/{total / 2**20:,.1f} MiB, {done / 2**20 / dt:,.2f} MiB/s"
                 + (f", {tokens:,} tokens ({tokens / dt:,.0f}/s), {shards} shard(s)" if tokens else "")
-                + (f", {_hms(eta)} left" if eta else f", {_hms(dt)}"))
-        if self.tty:
-            width = 24
-            bar = "#" * int(width * frac) + "." * (width - int(width * frac))
-            self.stream.write(f"\r[{bar}] {text}   ")
-            self._open = True
-            if final:
-                self._end_line()
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def _end_line(self):
-        if self._open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._open = False
+                + (f", {hms(eta)} left" if eta else f", {hms(dt)}"))
+        self.line.show(frac, text, final=final)
 
     def close(self):
-        self._end_line()
-
-
-def _hms(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+        self.line.close()
 
 
 # --------------------------------------------------------------------------------------------------------------------

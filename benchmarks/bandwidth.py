@@ -36,12 +36,13 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from loco_jax import collectives, diloco, fragments, hlo  # noqa: E402
+from loco_jax.training import shapes  # noqa: E402
 
 HEADING = "## Bandwidth per replica: data parallel vs DiLoCo vs Streaming DiLoCo (benchmarks/bandwidth.py)"
 MODELS = {
-    "1b": lambda: fragments.llama_1b_shapes(),
-    "125m": lambda: fragments.transformer_shapes(num_layers=12, d_model=768, num_heads=12, d_ff=2048, vocab_size=32000),
-    "tiny": lambda: fragments.transformer_shapes(num_layers=4, d_model=128, num_heads=4, d_ff=512, vocab_size=256),
+    "1b": lambda: shapes.llama_1b_shapes(),
+    "125m": lambda: shapes.transformer_shapes(num_layers=12, d_model=768, num_heads=12, d_ff=2048, vocab_size=32000),
+    "tiny": lambda: shapes.transformer_shapes(num_layers=4, d_model=128, num_heads=4, d_ff=512, vocab_size=256),
 }
 
 

@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from loco_jax import collectives, fragments, hlo, loco  # noqa: E402
+from loco_jax.training import shapes as shapes_lib  # noqa: E402
 
 M = 8
 AXIS = "data"
@@ -350,11 +351,11 @@ def main(argv=None):
     assert jax.device_count() == M, f"need {M} devices, got {jax.device_count()} (XLA_FLAGS={os.environ.get('XLA_FLAGS')})"
     mesh = jax.make_mesh((M,), (AXIS,))
     dims = QUICK_TREE if args.quick else TREE
-    shapes = fragments.transformer_shapes(**dims)
+    shapes = shapes_lib.transformer_shapes(**dims)
     n = fragments.count_params(shapes)
     d, f, v = dims["d_model"], dims["d_ff"], dims["vocab_size"]
     tree_desc = (
-        f"`fragments.transformer_shapes({', '.join(f'{k}={x}' for k, x in dims.items())})`: embedding {v}x{d}, "
+        f"`training.shapes.transformer_shapes({', '.join(f'{k}={x}' for k, x in dims.items())})`: embedding {v}x{d}, "
         f"{dims['num_layers']} blocks (wq, wk, wv, wo {d}x{d}; w_gate, w_up {d}x{f}; w_down {f}x{d}; two RMSNorm "
         f"scales), final norm, untied lm_head {d}x{v}: {n:,} parameters in {len(jax.tree.leaves(shapes))} leaves"
     )

@@ -43,16 +43,17 @@ import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import bandwidth  # noqa: E402
 from loco_jax import fragments  # noqa: E402
+from loco_jax.training import shapes  # noqa: E402
 
 HEADING = "## Bandwidth for 95 % compute utilisation (benchmarks/utilization.py)"
 H200_PEAK = 989e12  # dense bf16 FLOP/s
 TOKENS_PER_STEP = 2**20
 # name: (shapes, the paper's step time in s, Table 4's Gbit/s at 95 %: DP, DiLoCo, Streaming, + overlap, + FP4)
 MODELS = {
-    "1B": (lambda: fragments.llama_1b_shapes(), 0.1, (222.3, 23.3, 16.0, 9.1, 2.0)),
-    "10B": (lambda: fragments.transformer_shapes(num_layers=48, d_model=4096, num_heads=32, d_ff=11008), 0.8,
+    "1B": (lambda: shapes.llama_1b_shapes(), 0.1, (222.3, 23.3, 16.0, 9.1, 2.0)),
+    "10B": (lambda: shapes.transformer_shapes(num_layers=48, d_model=4096, num_heads=32, d_ff=11008), 0.8,
             (268.3, 33.9, 13.3, 6.2, 1.4)),
-    "100B": (lambda: fragments.transformer_shapes(num_layers=108, d_model=8704, num_heads=68, d_ff=23296), 4.9,
+    "100B": (lambda: shapes.transformer_shapes(num_layers=108, d_model=8704, num_heads=68, d_ff=23296), 4.9,
              (390.7, 49.4, 11.0, 5.2, 1.1)),
 }
 H = 100

@@ -55,3 +55,15 @@ def test_a_documented_value_the_config_does_not_set_is_caught(tmp_path):
     edited = tmp_path / "edited.py"
     edited.write_text(source.replace("diloco.alpha=0.0", "diloco.alpha=0.5"))
     assert mismatches(edited) == ["docstring diloco.alpha=0.5, get_config() diloco.alpha=0.0"]
+
+
+def test_the_config_model_fields_are_the_models_own():
+    """config.ModelFields is the config file's view of model.ModelConfig (which shapes.check_dims validates):
+    every field but the attention choice is a ModelConfig field of the same name, so a new model field
+    cannot be added to one and forgotten in the other."""
+    import dataclasses
+
+    from loco_jax.training import model as model_lib
+
+    config_fields = {f.name for f in dataclasses.fields(config_lib.ModelFields)} - {"attention"}
+    assert config_fields <= {f.name for f in dataclasses.fields(model_lib.ModelConfig)}, config_fields

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from loco_jax import fragments as F
+from loco_jax.training import shapes
 
 # ---------------------------------------------------------------------------
 # Helpers and small trees
@@ -53,7 +54,7 @@ def scanned(num_blocks=6):
 
 
 def small_transformer(scan_layers=False, num_layers=6):
-    return F.transformer_shapes(
+    return shapes.transformer_shapes(
         num_layers=num_layers, d_model=8, num_heads=2, num_kv_heads=1, d_ff=16, vocab_size=11,
         scan_layers=scan_layers,
     )
@@ -89,18 +90,18 @@ def leaf_label(pl, path):
 
 
 def test_1b_parameter_count():
-    tree = F.llama_1b_shapes()
-    assert F.count_params(tree) == F.LLAMA_1B_NUM_PARAMS == 1_364_297_728
-    assert F.count_params(F.llama_1b_shapes(scan_layers=True)) == F.LLAMA_1B_NUM_PARAMS
-    assert F.LLAMA_1B["d_ff"] == -(-8 * 2048 // 3 // 256) * 256 == 5632  # round_up(8/3 d, 256)
+    tree = shapes.llama_1b_shapes()
+    assert F.count_params(tree) == shapes.LLAMA_1B_NUM_PARAMS == 1_364_297_728
+    assert F.count_params(shapes.llama_1b_shapes(scan_layers=True)) == shapes.LLAMA_1B_NUM_PARAMS
+    assert shapes.LLAMA_1B["d_ff"] == -(-8 * 2048 // 3 // 256) * 256 == 5632  # round_up(8/3 d, 256)
     assert tree["layers"][0]["attn"]["wk"]["kernel"].shape == (2048, 2048)
-    assert "lm_head" not in F.transformer_shapes(**F.LLAMA_1B, tie_embeddings=True)
-    gqa = F.transformer_shapes(**F.LLAMA_1B, num_kv_heads=4)
+    assert "lm_head" not in shapes.transformer_shapes(**shapes.LLAMA_1B, tie_embeddings=True)
+    gqa = shapes.transformer_shapes(**shapes.LLAMA_1B, num_kv_heads=4)
     assert gqa["layers"][3]["attn"]["wv"]["kernel"].shape == (2048, 512)
 
 
 def test_1b_plan_nine_fragments():
-    tree = F.llama_1b_shapes()
+    tree = shapes.llama_1b_shapes()
     pl = F.plan(tree, 9)
     sizes = pl.fragment_sizes()
     assert sizes[0] == 2 * 32000 * 2048 + 2048  # embed + lm_head + final_norm
@@ -120,7 +121,7 @@ def test_1b_plan_nine_fragments():
 
 
 def test_1b_scanned_plan_matches_unrolled():
-    unrolled, stacked = F.plan(F.llama_1b_shapes(), 9), F.plan(F.llama_1b_shapes(scan_layers=True), 9)
+    unrolled, stacked = F.plan(shapes.llama_1b_shapes(), 9), F.plan(shapes.llama_1b_shapes(scan_layers=True), 9)
     assert stacked.fragment_sizes() == unrolled.fragment_sizes()
     np.testing.assert_array_equal(leaf_label(stacked, "layers/mlp/w_down/kernel"), np.tile(np.arange(1, 9), 3))
     assert fragments_of_blocks(stacked) == fragments_of_blocks(unrolled)
@@ -129,7 +130,7 @@ def test_1b_scanned_plan_matches_unrolled():
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_1b_abstract_extract_insert(scan_layers):
     """Shapes only: eval_shape traces extract/insert of a 1.4B-parameter tree without allocating it."""
-    tree = F.llama_1b_shapes(scan_layers=scan_layers)
+    tree = shapes.llama_1b_shapes(scan_layers=scan_layers)
     pl = F.plan(tree, 9)
     out = jax.eval_shape(lambda t: pl.extract(t, 1), tree)
     assert out.shape == (pl.fragment_sizes()[1],) and out.dtype == jnp.float32
@@ -397,6 +398,6 @@ def test_bad_extract_insert_arguments():
 
 def test_bad_transformer_shapes():
     with pytest.raises(ValueError, match="divisible by num_heads"):
-        F.transformer_shapes(d_model=10, num_heads=4)
+        shapes.transformer_shapes(d_model=10, num_heads=4)
     with pytest.raises(ValueError, match="num_kv_heads=3"):
-        F.transformer_shapes(num_kv_heads=3)
+        shapes.transformer_shapes(num_kv_heads=3)

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import fragments, hlo, loco, specs
 from loco_jax.training import model as M
+from loco_jax.training import shapes
 
 # hd = 8, grouped-query attention (2 query heads per kv head), fp32 compute
 SMALL = M.ModelConfig(
@@ -32,7 +33,7 @@ def _tokens(shape, vocab, seed=0):
 
 
 # ---------------------------------------------------------------------------
-# 1. The parameter tree is fragments.transformer_shapes
+# 1. The parameter tree is shapes.transformer_shapes
 
 
 @pytest.mark.parametrize(
@@ -48,7 +49,7 @@ def _tokens(shape, vocab, seed=0):
 )
 def test_param_tree_matches_fragments(kwargs):
     cfg = M.CONFIGS["tiny"].replace(num_layers=3, **kwargs)
-    expected = fragments.transformer_shapes(
+    expected = shapes.transformer_shapes(
         num_layers=3, d_model=cfg.d_model, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
         d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tie_embeddings, scan_layers=cfg.scan_layers,
     )
@@ -72,13 +73,13 @@ def test_1b_tree_is_llama_1b_without_allocating(scan):
     cfg = M.CONFIGS["1b"].replace(scan_layers=scan)
     abstract = M.abstract_params(cfg)  # nnx.eval_shape: ShapeDtypeStructs only
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
-    assert _shapes(abstract) == _shapes(fragments.llama_1b_shapes(scan_layers=scan))
-    assert jax.tree.structure(abstract) == jax.tree.structure(fragments.llama_1b_shapes(scan_layers=scan))
-    assert M.count_params(cfg) == fragments.LLAMA_1B_NUM_PARAMS == 1_364_297_728
+    assert _shapes(abstract) == _shapes(shapes.llama_1b_shapes(scan_layers=scan))
+    assert jax.tree.structure(abstract) == jax.tree.structure(shapes.llama_1b_shapes(scan_layers=scan))
+    assert M.count_params(cfg) == shapes.LLAMA_1B_NUM_PARAMS == 1_364_297_728
 
 
 def test_named_configs():
-    assert M.count_params(M.CONFIGS["1b"]) == fragments.LLAMA_1B_NUM_PARAMS
+    assert M.count_params(M.CONFIGS["1b"]) == shapes.LLAMA_1B_NUM_PARAMS
     assert M.CONFIGS["1b"].max_seq_len == 2048 and M.CONFIGS["1b"].d_ff == M.swiglu_hidden(2048) == 5632
     assert M.CONFIGS["tiny"].vocab_size == 256
     for name, cfg in M.CONFIGS.items():

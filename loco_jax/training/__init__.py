@@ -12,6 +12,7 @@ imports nothing from here. Modules, in the order a config flows through them:
   :mod:`~loco_jax.training.shard_format`, :mod:`~loco_jax.training.shard_reader`,
   :mod:`~loco_jax.training.shard_writer` and :mod:`~loco_jax.training.prepare`;
 - :mod:`~loco_jax.training.dataset`: a run's token streams and this process's rows of a batch;
+- :mod:`~loco_jax.training.shapes`: the model's dimensions and parameter tree, the one description;
 - :mod:`~loco_jax.training.model`: the LLaMA-style Flax model and its loss;
 - :mod:`~loco_jax.training.steps`: the optimizer of a config, ``train_step`` and ``eval_step``;
 - :mod:`~loco_jax.training.trainer`: the ``Trainer`` (mesh, data, compiled programs, state);

@@ -43,7 +43,7 @@ SwiGLU MLP::
 The parameter tree
 ------------------
 ``nnx.split(model, nnx.Param)`` → ``nnx.to_pure_dict`` gives exactly
-:func:`loco_jax.fragments.transformer_shapes` (the project's one definition)::
+:func:`loco_jax.training.shapes.transformer_shapes` (the application's one definition)::
 
     embed/embedding, layers/<i>/{attn_norm, attn/{wq,wk,wv,wo}, mlp_norm, mlp/{w_gate,w_up,w_down}},
     final_norm/scale, lm_head/kernel (absent with tie_embeddings)
@@ -90,7 +90,8 @@ import optax
 from flax import nnx
 
 from loco_jax import fragments
-from loco_jax.checks import is_int, require_int
+from loco_jax.checks import require_int
+from loco_jax.training import shapes
 
 __all__ = [
     "CONFIGS",
@@ -159,18 +160,11 @@ class ModelConfig:
     attention_impl: str | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
-            v = getattr(self, name)
-            require_int(f"ModelConfig.{name}", v, "a positive int")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}.")
+        shapes.check_dims(**{name: getattr(self, name) for name in (*shapes.DIMS, "num_kv_heads")},
+                          prefix="ModelConfig.")
+        require_int("ModelConfig.max_seq_len", self.max_seq_len, "a positive int")
         if self.head_dim % 2:
             raise ValueError(f"head_dim = d_model / num_heads = {self.head_dim} must be even for RoPE.")
-        kv = self.kv_heads
-        if not is_int(kv) or kv < 1 or self.num_heads % kv:
-            raise ValueError(
-                f"num_kv_heads={self.num_kv_heads!r} must be a positive divisor of num_heads={self.num_heads}."
-            )
         if self.compute_dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r}; choose one of {_COMPUTE_DTYPES}.")
         if not jnp.issubdtype(jnp.dtype(self.param_dtype), jnp.floating):
@@ -198,8 +192,8 @@ class ModelConfig:
         return dataclasses.replace(self, **kwargs)
 
     def shapes(self) -> dict:
-        """The parameter tree as ``jax.ShapeDtypeStruct``: ``fragments.transformer_shapes`` with these sizes."""
-        return fragments.transformer_shapes(
+        """The parameter tree as ``jax.ShapeDtypeStruct``: :func:`loco_jax.training.shapes.transformer_shapes`."""
+        return shapes.transformer_shapes(
             num_layers=self.num_layers,
             d_model=self.d_model,
             num_heads=self.num_heads,
@@ -600,6 +594,6 @@ CONFIGS: dict[str, ModelConfig] = {
     ),
     # GPT-3-small sizes with the LLaMA tokenizer's vocabulary, untied head
     "125m": ModelConfig(vocab_size=32000, d_model=768, num_layers=12, num_heads=12, d_ff=2048, max_seq_len=1024),
-    # the paper's 1B model (fragments.LLAMA_1B): 1,364,297,728 parameters
-    "1b": ModelConfig(**fragments.LLAMA_1B, max_seq_len=2048),
+    # the paper's 1B model (shapes.LLAMA_1B): 1,364,297,728 parameters
+    "1b": ModelConfig(**shapes.LLAMA_1B, max_seq_len=2048),
 }

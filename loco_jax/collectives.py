@@ -48,13 +48,10 @@ import numpy as np
 from jax import lax
 
 from loco_jax import quant
+from loco_jax.specs import require_axis
 
 Mode = Literal["two_stage", "all_gather"]
 MODES = get_args(Mode)
-
-
-# Re-exported for the sibling modules that used to find them here.
-from loco_jax.specs import check_vma_enabled, manual_axes, require_axis, to_varying, varying_axes  # noqa: E402,F401
 
 
 def axis_size(axis_name) -> int:

@@ -304,7 +304,7 @@ def diloco(
         return _plan_for(treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves))
 
     def data_size():
-        if data_axis is None or data_axis not in coll.manual_axes():
+        if data_axis is None or data_axis not in specs.manual_axes():
             return 1
         return coll.axis_size(data_axis)
 
@@ -327,28 +327,28 @@ def diloco(
     # ------------------------------------------------------------------ init
 
     def init_fn(params):
-        coll.require_axis(axis_name, "diloco")
+        specs.require_axis(axis_name, "diloco")
         plan = plan_of(params)
         d, m = data_size(), coll.axis_size(axis_name)
         global_params = jax.tree.map(lambda x: lax.pmean(x, axis_name), params)
         outer_states = tuple(outer.init(plan.select(global_params, p)) for p in range(num_p))
         k = [slice_len(s, d, m) for s in plan.fragment_sizes()]
-        device_axes = coll.manual_axes()
+        device_axes = specs.manual_axes()
         held = max(k) if overlap >= 2 else 1  # only tau >= 2 holds a mean across steps (1: orbax saves no empty array)
         # the slot holds this device's slice: varying over the sliced axis, and over any axis the parameters
         # themselves vary over besides the replica axis (FSDP shards)
         slot_axes = set(a for a in (data_axis,) if a in device_axes)
-        slot_axes |= set().union(*(coll.varying_axes(x) for x in jax.tree.leaves(params))) - {axis_name}
-        inflight = coll.to_varying(jnp.zeros((held,), jnp.float32), tuple(a for a in device_axes if a in slot_axes))
+        slot_axes |= set().union(*(specs.varying_axes(x) for x in jax.tree.leaves(params))) - {axis_name}
+        inflight = specs.to_varying(jnp.zeros((held,), jnp.float32), tuple(a for a in device_axes if a in slot_axes))
         error, error_scale = (), ()
         if compensate and bits is not None:
             stored = [
-                jax.tree.map(lambda x: coll.to_varying(x, device_axes), quant.stored_zeros((1, kp), error_bits, block_size=block_size))
+                jax.tree.map(lambda x: specs.to_varying(x, device_axes), quant.stored_zeros((1, kp), error_bits, block_size=block_size))
                 for kp in k
             ]
             error, error_scale = tuple(s[0] for s in stored), tuple(s[1] for s in stored)
         zero = jnp.zeros((), jnp.int32)
-        skipped = coll.to_varying(jnp.zeros((1,), jnp.int32), (axis_name,))  # one count per replica
+        skipped = specs.to_varying(jnp.zeros((1,), jnp.int32), (axis_name,))  # one count per replica
         return DiLoCoState(_per_replica(inner.init(params)), global_params, outer_states, zero, skipped, inflight,
                            error, error_scale, zero)
 
@@ -404,12 +404,12 @@ def diloco(
 
     def _replica_finite(tree):
         """All of ``tree`` finite on every device of this replica (no collective over ``axis_name``)."""
-        return global_all_finite(tree, tuple(a for a in coll.manual_axes() if a != axis_name))
+        return global_all_finite(tree, tuple(a for a in specs.manual_axes() if a != axis_name))
 
     def _per_replica(inner_state):
         """The inner state as stored: each leaf varying over the replica axis, a scalar as shape ``(1,)``
         (a replica that skips a step keeps its own counts, and a scalar has no dim 0 to split over replicas)."""
-        return jax.tree.map(lambda x: coll.to_varying(x.reshape((1,) if x.ndim == 0 else x.shape), (axis_name,)),
+        return jax.tree.map(lambda x: specs.to_varying(x.reshape((1,) if x.ndim == 0 else x.shape), (axis_name,)),
                             inner_state)
 
     def _inner_step(grads, state, params, extra):
@@ -482,7 +482,7 @@ def diloco(
     def update_fn(grads, state, params=None, phase=None, **extra):
         if params is None:
             raise ValueError("diloco.update needs params: call tx.update(grads, state, params).")
-        coll.require_axis(axis_name, "diloco")
+        specs.require_axis(axis_name, "diloco")
         if phase is not None:
             if not isinstance(phase, Phase):
                 raise ValueError(f"phase={phase!r} must be a diloco.Phase from tx.phase(step).")

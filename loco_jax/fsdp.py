@@ -46,7 +46,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import collectives as coll
-from loco_jax import fragments
+from loco_jax import fragments, specs
 from loco_jax.checks import require_int
 
 
@@ -124,7 +124,7 @@ def gather(shards, dims, axis_name: str = "data", *, dtype=None):
 def global_norm(tree, axis_name: str = "data"):
     """``sqrt(psum_axis(sum of squares))``: the norm of the whole tree whose leaves are shards over ``axis_name``."""
     local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
-    return jnp.sqrt(lax.psum(coll.to_varying(local, (axis_name,)), axis_name))
+    return jnp.sqrt(lax.psum(specs.to_varying(local, (axis_name,)), axis_name))
 
 
 class ClipState(NamedTuple):

@@ -211,8 +211,8 @@ def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce,
 
 def _device_axes(leaves, axis_name):
     """The mesh axes per-device state varies over: ``axis_name`` and every axis the leaves vary over."""
-    varying = set().union(*(coll.varying_axes(x) for x in leaves)) if leaves else set()
-    return tuple(a for a in coll.manual_axes() if a == axis_name or a in varying)
+    varying = set().union(*(specs.varying_axes(x) for x in leaves)) if leaves else set()
+    return tuple(a for a in specs.manual_axes() if a == axis_name or a in varying)
 
 
 _CHUNKED = 2**24  # values: a leaf this big is reduced one dim-0 slice at a time
@@ -269,7 +269,7 @@ def global_all_finite(tree, axes=None):
     flag = _all_finite(tree).astype(jnp.int32)
     axes = specs.decision_axes() if axes is None else axes
     if axes:
-        flag = lax.pmin(coll.to_varying(flag, axes), axes)
+        flag = lax.pmin(specs.to_varying(flag, axes), axes)
     return flag.astype(bool)
 
 
@@ -311,10 +311,10 @@ def _select(ok, new, old):
 
 def _check_grads_vary(leaves, axis_name):
     """The silent-psum trap: under check_vma, gradients must vary over ``axis_name``."""
-    if axis_name is None or not coll.check_vma_enabled(axis_name):
+    if axis_name is None or not specs.check_vma_enabled(axis_name):
         return
     for leaf in leaves:
-        if axis_name not in coll.varying_axes(leaf):
+        if axis_name not in specs.varying_axes(leaf):
             raise ValueError(
                 f"loco.compress: a gradient of shape {leaf.shape} is not varying over axis {axis_name!r}, so JAX "
                 "has already summed it in fp32 (the transpose of the implicit cast of replicated parameters "
@@ -534,9 +534,9 @@ def _build(
 
     def init_fn(params):
         if axis_name is not None:
-            coll.require_axis(axis_name, "loco.compress")
+            specs.require_axis(axis_name, "loco.compress")
         if fast_axis is not None:
-            coll.require_axis(fast_axis, "loco.compress")
+            specs.require_axis(fast_axis, "loco.compress")
         count = jnp.zeros((), jnp.int32)
         key = jax.random.key_data(jax.random.PRNGKey(seed))
         if not keep_error:
@@ -547,13 +547,13 @@ def _build(
         # parameters vary over (e.g. DiLoCo's replica axis), so the updates keep the parameters' type.
         device_axes = _device_axes(leaves, axis_name)
         if fast_axis is not None:  # hierarchical: each fast device keeps the errors of its own shard
-            device_axes = tuple(a for a in coll.manual_axes() if a in device_axes or a == fast_axis)
+            device_axes = tuple(a for a in specs.manual_axes() if a in device_axes or a == fast_axis)
 
         def zeros(shape, depth=None):
             values, scales = quant.stored_zeros(shape, error_bits, block_size=block_size)
             if depth is not None:
                 values, scales = jax.tree.map(lambda x: jnp.broadcast_to(x, (depth,) + x.shape), (values, scales))
-            return jax.tree.map(lambda x: coll.to_varying(x, device_axes), (values, scales))
+            return jax.tree.map(lambda x: specs.to_varying(x, device_axes), (values, scales))
 
         dims = _init_dims(params)
         shapes = [tuple(leaf.shape) for leaf in leaves]
@@ -770,9 +770,9 @@ def _build(
                     f"loco.compress needs floating-point gradients, got dtype {leaf.dtype} (shape {leaf.shape})."
                 )
         if axis_name is not None:
-            coll.require_axis(axis_name, "loco.compress")
+            specs.require_axis(axis_name, "loco.compress")
         if fast_axis is not None:
-            coll.require_axis(fast_axis, "loco.compress")
+            specs.require_axis(fast_axis, "loco.compress")
         inputs = step_inputs(state)
         if exchanged is None:
             if axis_name is not None:
@@ -854,9 +854,9 @@ def error_rms(state, block_size: int = quant.DEFAULT_BLOCK_SIZE, error_bits: int
             e = quant.load(flat(values), flat(scales), bits, block_size=block_size)
             total, count = total + jnp.sum(e * e), count + e.size
     mean = total / max(count, 1)
-    axes = coll.manual_axes()
+    axes = specs.manual_axes()
     if axes:
-        mean = lax.pmean(coll.to_varying(mean, axes), axes)
+        mean = lax.pmean(specs.to_varying(mean, axes), axes)
     return jnp.sqrt(mean)
 
 

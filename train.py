@@ -22,12 +22,33 @@ from loco_jax.training.mesh import HEARTBEAT_TIMEOUT
 DEFAULT_STEP_TIMEOUT = 1800
 
 
+def config_flags_as_set(argv):
+    """``--config.KEY=VALUE`` and ``--config.KEY VALUE`` (ml_collections' ``config_flags`` form, as in flax's
+    examples) as ``--set KEY=VALUE``: the same typed fields and the same errors as ``--set``."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--config.") and len(arg) > len("--config."):
+            key, eq, value = arg[len("--config."):].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"train.py: {arg} needs a value: {arg}=VALUE or {arg} VALUE.")
+                i, value = i + 1, argv[i + 1]
+            out += ["--set", f"{key}={value}"]
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv=None):
+    argv = config_flags_as_set(sys.argv[1:] if argv is None else list(argv))
     parser = argparse.ArgumentParser(description="Train a transformer with LoCo and Streaming DiLoCo.")
     parser.add_argument("--config", default="configs/tiny.py", help="a configs/NAME.py file (default: %(default)s)")
     parser.add_argument("--workdir", default=None, help="run directory (default: workdir/<config name>)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. --set diloco.sync_every=50 (repeatable)")
+                        help="override a config field, e.g. --set diloco.sync_every=50 (repeatable; "
+                             "--config.diloco.sync_every=50 is the same)")
     parser.add_argument("--plot", action="store_true", help="only (re)draw loss.png from the workdir's metrics")
     parser.add_argument("--sample", action="store_true",
                         help="no training: print text generated from the global parameters of the workdir's latest "

@@ -270,6 +270,22 @@ def test_bad_set_values_fail_before_anything_compiles(assignment, match, tmp_pat
     assert not os.path.exists(tmp_path / "wd"), "nothing written for a bad config"
 
 
+def test_config_flags_are_set_by_another_name(tmp_path):
+    """ml_collections' form, --config.KEY=VALUE or --config.KEY VALUE, is --set KEY=VALUE: the same fields,
+    the same errors, before anything compiles."""
+    import train
+
+    assert train.config_flags_as_set(["--config", "c.py", "--config.diloco.sync_every=50", "--config.steps", "7",
+                                      "--set", "seed=1"]) == [
+        "--config", "c.py", "--set", "diloco.sync_every=50", "--set", "steps=7", "--set", "seed=1"]
+    argv = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--workdir", str(tmp_path / "wd")]
+    with pytest.raises(Exception, match=re.escape("unknown key 'diloco.sync_evry'")):
+        train.main(argv + ["--config.diloco.sync_evry=5"])
+    with pytest.raises(Exception, match=re.escape("steps='many': expected an int")):
+        train.main(argv + ["--config.steps", "many"])
+    assert not os.path.exists(tmp_path / "wd")
+
+
 def test_sigkill_at_random_points_then_rerun_matches_an_uninterrupted_run(text_file, straight_run, tmp_path):
     """kill -9 during steps, checkpoint writes and outer exchanges; the same command resumes each time."""
     cfg = small_config(text_file, checkpoint_every=1)  # a checkpoint every step: kills land inside writes too

@@ -73,6 +73,9 @@ def main(argv=None):
                         help="exit (status 124) when no sync step completes within this many seconds, compiling "
                              "excluded; 0: off (default: %d on a multi-process run, off on one process)"
                              % DEFAULT_STEP_TIMEOUT)
+    parser.add_argument("--profile-steps", type=int, default=None, metavar="N",
+                        help="write a jax.profiler trace of N steps (after the first, which compiles) to "
+                             "WORKDIR/profile; view it in TensorBoard's Profile tab or Perfetto")
     parser.add_argument("--verbose", action="store_true",
                         help="print the full error (Python and runtime) when a peer process fails, not just the summary")
     args = parser.parse_args(argv)
@@ -139,7 +142,8 @@ def main(argv=None):
 
     from loco_jax.training.loop import train_and_evaluate
 
-    summary = train_and_evaluate(cfg, workdir, step_timeout=step_timeout or None, verbose=args.verbose)
+    summary = train_and_evaluate(cfg, workdir, step_timeout=step_timeout or None, verbose=args.verbose,
+                                 profile_steps=args.profile_steps)
     print(f"done: step {summary['last_step']}, eval loss {summary['eval_loss']}; workdir {workdir}")
     return 0
 

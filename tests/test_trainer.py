@@ -75,6 +75,29 @@ def straight_run(text_file, tmp_path_factory):
     return workdir, dict(summary, logs=logs)
 
 
+def tensorboard_events(workdir):
+    """Every event of WORKDIR/tensorboard's event files, in file order: (file, step, tag or None, value,
+    purge) with purge True for a resumed writer's SessionLog START (tensorboardX's purge_step)."""
+    import glob
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))):
+        raw = open(path, "rb").read()
+        i = 0
+        while i < len(raw):  # TFRecord: length (u64), its crc, the record, the record's crc
+            (n,) = struct.unpack("<Q", raw[i:i + 8])
+            event = event_pb2.Event.FromString(raw[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            if event.HasField("session_log"):
+                out.append((path, event.step, None, None, event.session_log.status == event.session_log.START))
+            for v in event.summary.value:
+                out.append((path, event.step, v.tag, v.simple_value, False))
+    return out
+
+
 def test_tiny_run_learns_and_fills_the_workdir(straight_run):
     workdir, summary = straight_run
     rows = read_metrics(workdir)
@@ -86,6 +109,12 @@ def test_tiny_run_learns_and_fills_the_workdir(straight_run):
     assert rows[-1]["bytes_sent_per_device"] > 0
     for name in ("config.json", "metrics.jsonl", "loss.png", "programs.json"):
         assert os.path.getsize(os.path.join(workdir, name)) > 0, name
+    # the same rows as TensorBoard scalars (tensorboard --logdir WORKDIR)
+    scalars = {(step, tag): value for _, step, tag, value, _ in tensorboard_events(workdir) if tag}
+    for r in rows:
+        for k in ("loss", "eval_loss", "lr", "bytes_sent_per_device"):
+            if k in r:
+                assert scalars[(r["step"], k)] == pytest.approx(r[k], rel=1e-6), (r["step"], k)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12", "6"]
     assert set(os.listdir(os.path.join(workdir, "checkpoints", "12"))) >= {"global", "replica", "device", "meta"}
     programs = json.load(open(os.path.join(workdir, "programs.json")))
@@ -112,14 +141,20 @@ def test_a_second_run_in_a_live_workdir_is_refused_and_changes_nothing(text_file
 
 def test_resume_is_bit_identical_and_logs_no_step_twice(text_file, straight_run, tmp_path):
     workdir = str(tmp_path)
-    first = train_and_evaluate(small_config(text_file), workdir, log=quiet, stop_after=7)
+    first = train_and_evaluate(small_config(text_file), workdir, log=quiet, stop_after=7, profile_steps=2)
     assert first["last_step"] == 7 and first["stopped"]
+    traces = [f for _, _, files in os.walk(os.path.join(workdir, "profile")) for f in files]
+    assert any(f.endswith(".xplane.pb") for f in traces), traces  # the profiler's trace of steps 2-3
     # a row logged after the last checkpoint (step 7 was checkpointed on stop, so fake a later one)
     with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 8, "loss": 123.0}) + "\n")
     lines = []
     resumed = train_and_evaluate(small_config(text_file), workdir, log=lines.append)
     assert any("resumed from checkpoint at step 7" in line for line in lines)
+    # the resumed run's event file starts by purging what the interrupted one logged after its checkpoint
+    resumed_file = sorted({path for path, *_ in tensorboard_events(workdir)})[-1]
+    assert [(step, purge) for path, step, tag, _, purge in tensorboard_events(workdir)
+            if path == resumed_file and tag is None][:1] == [(8, True)]
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, resumed["state"]), jax.tree.map(np.asarray, straight_run[1]["state"]))
     steps = [r["step"] for r in read_metrics(workdir)]
     assert steps == sorted(set(steps)), steps

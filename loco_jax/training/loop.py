@@ -32,6 +32,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import diloco
+from loco_jax.checks import require_int
 from loco_jax.training import config as config_lib
 from loco_jax.training import failure
 from loco_jax.training import mesh as mesh_lib
@@ -41,9 +42,11 @@ from loco_jax.training.checkpoints import (
 )
 from loco_jax.training.sample import print_samples
 from loco_jax.training.metrics import (
-    Progress, emit, metrics_path, plot, read_metrics, summary_table, truncate_metrics, write_atomic,
+    Progress, ScalarWriter, emit, metrics_path, plot, read_metrics, summary_table, truncate_metrics, write_atomic,
 )
 from loco_jax.training.steps import TrainState
+
+PROFILE_DIR = "profile"
 from loco_jax.training.trainer import Trainer
 
 
@@ -59,16 +62,20 @@ class _Stop:
 
 
 def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=emit, stop_after: int | None = None,
-                       step_timeout: float | None = None, verbose: bool = False) -> dict:
+                       step_timeout: float | None = None, verbose: bool = False,
+                       profile_steps: int | None = None) -> dict:
     """Trains ``cfg`` in ``workdir`` (resuming from its latest checkpoint); returns a summary.
 
     ``stop_after``: checkpoint after that step and return, as a pre-emption would (tests, schedulers).
     ``step_timeout``: seconds within which each sync step must complete, else the process reports where
     it is stuck and exits (:class:`~loco_jax.training.failure.StepWatchdog`); None: no watchdog. In a
     multi-process run an error saying another process is gone ends this one at once with one message
-    (:mod:`loco_jax.training.failure`; ``verbose`` prints the full error too).
+    (:mod:`loco_jax.training.failure`; ``verbose`` prints the full error too). ``profile_steps``: a
+    ``jax.profiler`` trace of that many steps after this run's first (which compiles), in
+    ``WORKDIR/profile`` (process 0).
     """
     config_lib.validate(cfg)
+    require_int("profile_steps", profile_steps, "a positive number of steps, or None", allow_none=True)
     if step_timeout is not None and not (isinstance(step_timeout, (int, float)) and step_timeout > 0):
         raise ValueError(f"step_timeout={step_timeout!r} must be a positive number of seconds (or None: no watchdog).")
     os.makedirs(workdir, exist_ok=True)
@@ -76,7 +83,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=emit, stop_afte
     with workdir_lock(workdir):
         watchdog = failure.StepWatchdog(step_timeout, guard) if step_timeout else None  # started by the loop
         try:
-            return _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard)
+            return _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard, profile_steps)
         except Exception as e:
             _stop_if_a_peer_failed(guard, e)
             raise
@@ -132,7 +139,7 @@ def workdir_lock(workdir):
         f.close()
 
 
-def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
+def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard, profile_steps=None):
     saved = saved_config(workdir)
     cfg = config_lib.resolve(cfg, saved)  # None settings: the run's own, else the library's
     done = complete_checkpoint_steps(workdir)  # read from disk: a fresh workdir stays untouched
@@ -170,6 +177,9 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
         previous = None
     progress = Progress(cfg.steps)
     metrics_file = open(metrics_path(workdir), "a") if is_main else None
+    scalars = ScalarWriter(workdir, first_step=start + 1 if latest is not None else None) if is_main else None
+    profile_start = start + 2 if profile_steps else None  # the step after this run's first (which compiles)
+    profile_stop = start + 1 + profile_steps if profile_steps else None
     # Reads at the start are fine: the loop below reads the device only at sync steps.
     counts_seen = trainer.skipped(state)
     offset = _schedule_offset(trainer, state, start) if latest is not None else 0
@@ -185,6 +195,8 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
         batch = trainer.put_batch(batches.next_batch(cfg.batch_size)) if start < cfg.steps else None
         for step in range(start + 1, cfg.steps + 1):
             at(step, "running the step program")
+            if step == profile_start and is_main:
+                jax.profiler.start_trace(os.path.join(workdir, PROFILE_DIR))
             phase = trainer.phase(step - offset)
             prog = trainer.program(phase, state, batch)
             params, opt_state, out = prog(state.params, state.opt_state, *batch)  # dispatched, not awaited
@@ -197,6 +209,11 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
                 # XLA's CPU collectives can deadlock with several multi-device programs in flight.
                 jax.block_until_ready(state)
             bytes_so_far += trainer.program_bytes[str(phase)]["per_device"]
+            if step == profile_stop and is_main:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+                log(f"profile of steps {profile_start}-{profile_stop}: {os.path.join(workdir, PROFILE_DIR)} "
+                    "(tensorboard --logdir WORKDIR, Profile tab; or https://ui.perfetto.dev)")
             is_log = step % cfg.log_every == 0 or step == cfg.steps
             is_eval = step % cfg.eval_every == 0 or step == cfg.steps
             is_ckpt = step % cfg.checkpoint_every == 0 or step == cfg.steps
@@ -232,6 +249,7 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")
                     metrics_file.flush()
+                    scalars.write(row)
                 progress.update(step, f"loss {row.get('loss', float('nan')):.3f}" + (f" eval {eval_loss:.3f}" if eval_loss else ""))
                 if not progress.tty:
                     log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
@@ -264,6 +282,7 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard):
         progress.close()
         if metrics_file:
             metrics_file.close()
+            scalars.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         manager.close()

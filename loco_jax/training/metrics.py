@@ -30,6 +30,30 @@ class Progress:
 
 
 
+TENSORBOARD_DIR = "tensorboard"
+
+
+class ScalarWriter:
+    """Each metrics row as TensorBoard scalars in ``WORKDIR/tensorboard`` (tensorboardX event files), so
+    ``tensorboard --logdir WORKDIR`` shows the loss and eval curves, the learning rate and the bytes sent
+    beside ``metrics.jsonl``. A resumed run starts a new event file with ``purge_step`` at its first step,
+    so TensorBoard drops the points of the interrupted run after its checkpoint (they are logged again)."""
+
+    def __init__(self, workdir, first_step: int | None = None):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR), purge_step=first_step)
+
+    def write(self, row):
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, row["step"])
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+
 def metrics_path(workdir):
     return os.path.join(workdir, "metrics.jsonl")
 

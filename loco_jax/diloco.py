@@ -170,6 +170,182 @@ def phase(step, *, sync_every, num_fragments=1, overlap=0):
     return Phase(send, apply)
 
 
+def schedule_phases(sync_every, num_fragments=1, overlap=0) -> list[Phase]:
+    """Every distinct :class:`Phase` of the schedule, in order of first appearance (one compiled program
+    each): two periods and the overlap cover every fragment's send and apply."""
+    seen = []
+    for t in range(1, 2 * sync_every + overlap + 2):
+        ph = phase(t, sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
+        if ph not in seen:
+            seen.append(ph)
+    return seen
+
+
+def traced_phase_index(t, phases, *, sync_every, num_fragments=1, overlap=0):
+    """The index in ``phases`` of step ``t``'s phase, ``t`` traced (the ``lax.switch`` fallback): the same
+    rule as :func:`phase`, in integer array arithmetic."""
+    offsets = jnp.asarray(schedule_offsets(sync_every, num_fragments), jnp.int32)
+
+    def due(step):
+        hit = (step >= sync_every) & ((step - offsets) % sync_every == 0)
+        return jnp.where(jnp.any(hit), jnp.argmax(hit), -1)
+
+    send = due(t) if overlap == 0 else due(t - 1)
+    apply = due(t) if overlap == 0 else due(t - overlap)
+    index = jnp.int32(0)
+    for i, ph in enumerate(phases):
+        s = -1 if ph.send is None else ph.send
+        a = -1 if ph.apply is None else ph.apply
+        index = jnp.where((send == s) & (apply == a), i, index)
+    return index
+
+
+def per_replica(inner_state, axis_name):
+    """The inner state as stored: each leaf varying over the replica axis, a scalar as shape ``(1,)`` (a
+    replica that skips a step keeps its own counts, and a scalar has no dim 0 to split over replicas)."""
+    return jax.tree.map(lambda x: specs.to_varying(x.reshape((1,) if x.ndim == 0 else x.shape), (axis_name,)),
+                        inner_state)
+
+
+def replica_finite(tree, axis_name):
+    """All of ``tree`` finite on every device of this replica (no collective over ``axis_name``)."""
+    return global_all_finite(tree, tuple(a for a in specs.manual_axes() if a != axis_name))
+
+
+class Exchange(NamedTuple):
+    """How a fragment's outer gradient crosses ``axis_name``: the exchange's resolved settings, and its steps.
+
+    Each of the ``D`` devices of ``data_axis`` in a replica holds the same parameters, so it sends its own
+    ``1/D`` slice (:meth:`slice_len`, :meth:`my_slice`); the replicas' mean comes back per slice
+    (:meth:`mean`), and every device gathers the whole fragment's mean inside the replica, as codes where
+    they are fewer bytes (:meth:`gather_codes`) or as fp32 slices (:meth:`gather_slices`).
+    """
+
+    axis_name: str
+    data_axis: str | None
+    bits: int | None
+    cfg: coll.QuantConfig
+    mode: str
+    compensate: bool
+    error_beta: float
+    error_bits: int | None
+    block_size: int
+
+    def data_size(self) -> int:
+        """``D``: the devices of ``data_axis`` bound in this ``shard_map`` (1 when none)."""
+        if self.data_axis is None or self.data_axis not in specs.manual_axes():
+            return 1
+        return coll.axis_size(self.data_axis)
+
+    def slice_len(self, size: int, d: int, m: int) -> int:
+        """``k``: values of one data device's slice of a fragment of ``size`` values, a whole number of
+        blocks per replica: ``max(round_up(ceil(size / d), u), u)``, ``u = B`` (``M B`` two-stage)."""
+        unit = self.block_size * (m if self.mode == "two_stage" else 1)
+        return max(coll._round_up(-(-size // d), unit), unit)
+
+    def my_slice(self, flat, k: int, d: int):
+        """This device's slice: values ``[j k, (j + 1) k)`` of ``flat`` zero-padded to ``d k``."""
+        padded = jnp.pad(flat, (0, k * d - flat.shape[0]))
+        if d == 1:
+            return padded
+        return lax.dynamic_slice(padded, (lax.axis_index(self.data_axis) * k,), (k,))
+
+    def gather_slices(self, mean_slice, size: int, d: int):
+        """The fragment's whole mean from every data device's fp32 slice."""
+        if d > 1:
+            mean_slice = lax.all_gather(mean_slice, self.data_axis, axis=0, tiled=True, to="invarying")
+        return mean_slice[:size]
+
+    def gather_codes(self, codes, p: int, size: int, d: int):
+        """The fragment's whole mean from every data device's exchanged payloads, gathered as codes and
+        decoded here: the same bytes through the same decode as :meth:`gather_slices`' fp32 slices, so the
+        same values, in ``M x bits / 32`` of the bytes (and a decode of the whole fragment on every device)."""
+        gathered, finish = codes
+        with jax.named_scope(APPLY_GATHER):  # names it in the compiled program (benchmarks/gpu_schedule.py)
+            every = lax.all_gather(gathered, self.data_axis, axis=0, to="invarying")  # (d, M, payload bytes)
+        return self.cfg.rotate_out(jax.vmap(finish)(every), p).reshape(-1)[:size]
+
+    def mean(self, slice_f32, p: int, error=None, error_scale=None, never=False):
+        """The mean over replicas of this device's slice of fragment ``p``'s outer gradient
+        (docs/algorithms.md, "6. DiLoCo and Streaming DiLoCo", the exchange)::
+
+            h = R_p x + e_p,   mean = R_p^T (1/M) sum_m DQ(Q_b(h^m)),   e_p = Q_e(beta e_p + (1 - beta)(h - DQ(Q_b(h))))
+
+        Returns ``(mean slice, new stored error or None, codes or None)``; ``codes`` is ``(gathered
+        payloads, finish)`` with ``rotate_out(finish(gathered)) == mean slice``, for :meth:`gather_codes`.
+        ``error``/``error_scale``: fragment ``p``'s stored error (with ``compensate``); ``never``: a traced
+        false flag (:func:`loco_jax.loco.error_feedback`). On GPUs the exchange asks for a collective stream
+        of its own (it crosses replicas: a slow link).
+        """
+        axis_name, cfg = self.axis_name, self.cfg
+        m = coll.axis_size(axis_name)
+        if self.bits is None:
+            return coll.on_own_stream(lambda: lax.pmean(slice_f32, axis_name)), None, None
+        e = quant.load(error, error_scale, self.error_bits, block_size=self.block_size)[0] if self.compensate else 0.0
+        h = cfg.rotate_in(slice_f32[None], p)[0] + e  # with rotate, the error lives in fragment p's rotated domain
+        if self.mode == "all_gather":
+            _, sent, gathered = coll.all_gather_sum(h[None], axis_name, cfg, own_stream=True, with_payloads=True)
+            finish, sent = (lambda g: cfg.decode(g, h.shape[0]).sum(axis=0) / m), sent[0]
+        else:
+            chunk, sent = coll.reduce_scatter_rows(h.reshape(m, -1), axis_name, cfg, own_stream=True)
+            _, _, gathered = coll.all_gather_chunk(chunk / m, axis_name, cfg, own_stream=True, with_payloads=True)
+            finish, sent = (lambda g: cfg.decode(g, chunk.shape[0]).reshape(-1)), sent.reshape(-1)
+        mean = cfg.rotate_out(finish(gathered)[None], p)[0]
+        stored = None
+        if self.compensate:
+            stored = error_feedback(e[None], h[None], sent[None], beta=self.error_beta, error_bits=self.error_bits,
+                                    block_size=self.block_size, never=never)
+        return mean, stored, (gathered, finish)
+
+
+def merge(plan, p, mean_delta, global_params, local, outer, outer_state, alpha, delivered):
+    """Fragment ``p``'s apply: the outer step on the exchanged mean, then the merge into the local parameters::
+
+        theta~_p = theta_g,p + OuterOpt_p.update(mean Delta_p),   theta_p = alpha theta_p + (1 - alpha) theta~_p,
+        theta_g,p = theta~_p
+
+    Where the round was dropped (``delivered`` false: a non-finite mean), the fragment's global parameters,
+    outer state and local parameters stay as they are. Returns ``(global_params, local, outer_state)``.
+    """
+    global_pieces = plan.select(global_params, p)
+    outer_updates, new_outer = outer.update(_split(mean_delta, global_pieces), outer_state, global_pieces)
+    merged = optax.apply_updates(global_pieces, outer_updates)
+    merged_flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in merged])
+    local_flat = plan.extract(local, p)
+    mixed = alpha * local_flat + (1.0 - alpha) * merged_flat
+    merged_flat = jnp.where(delivered, merged_flat, plan.extract(global_params, p))
+    mixed = jnp.where(delivered, mixed, local_flat)
+    return (plan.insert(global_params, p, merged_flat), plan.insert(local, p, mixed),
+            _select(delivered, new_outer, outer_state))
+
+
+def relayout_inflight(inflight, sizes, fragment, old_mesh, new_mesh, slice_len):
+    """The in-flight mean of ``fragment`` written on ``old_mesh``, cut into ``new_mesh``'s slices.
+
+    ``inflight`` is the global (host) view of ``DiLoCoState.inflight`` on ``old_mesh = (M, D)`` (D: the data
+    devices the optimizer slices over, 1 when ``data_axis`` is None): D rows of ``k_max`` values, row ``j``
+    holding data device ``j``'s slice of ``mean_m(theta_global - theta_m)`` (identical on every replica).
+    Row ``j``'s first ``k(D, M)`` values are its slice, so concatenating them and keeping the fragment's
+    ``n_p`` values gives the whole mean, which is cut again into ``k(D', M')``-value slices and padded to the
+    new ``k_max``. Applying the result on the new mesh is exactly the apply the old mesh would have made:
+    the exchange is completed, not dropped. ``sizes``: every fragment's size; ``slice_len(size, d, m)``.
+    """
+    (m_old, d_old), (m_new, d_new) = old_mesh, new_mesh
+    size = sizes[fragment]
+    k_old, k_new = slice_len(size, d_old, m_old), slice_len(size, d_new, m_new)
+    inflight = np.asarray(inflight, np.float32)
+    if inflight.shape[0] % d_old or inflight.shape[0] // d_old < k_old:
+        raise ValueError(
+            f"inflight of shape {inflight.shape} does not hold {d_old} slices of {k_old} values "
+            f"(fragment {fragment} of {size} values on mesh replica={m_old}, data={d_old})."
+        )
+    mean = inflight.reshape(d_old, -1)[:, :k_old].reshape(-1)[:size]
+    k_max = max(slice_len(s, d_new, m_new) for s in sizes)
+    out = np.zeros((d_new, k_max), np.float32)
+    out[:, :k_new] = np.pad(mean, (0, k_new * d_new - size)).reshape(d_new, k_new)
+    return out.reshape(-1)
+
+
 def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, beta, error_bits, block_size,
               rotate=False):
     require_int("sync_every", sync_every)
@@ -291,48 +467,26 @@ def diloco(
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     inner = optax.with_extra_args_support(inner)
-    cfg = coll.QuantConfig(bits or 8, block_size, format, rotate, seed)
-    num_p = num_fragments
+    ex = Exchange(axis_name, data_axis, bits, coll.QuantConfig(bits or 8, block_size, format, rotate, seed), mode,
+                  compensate, error_beta, error_bits, block_size)
+    schedule = dict(sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
 
     @functools.lru_cache(maxsize=8)
     def _plan_for(treedef, shapes):
         abstract = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in shapes])
-        return frag.plan(abstract, num_p, strategy=strategy, labels=labels)
+        return frag.plan(abstract, num_fragments, strategy=strategy, labels=labels)
 
     def plan_of(params):
         leaves, treedef = jax.tree.flatten(params)
         return _plan_for(treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves))
 
-    def data_size():
-        if data_axis is None or data_axis not in specs.manual_axes():
-            return 1
-        return coll.axis_size(data_axis)
-
-    def slice_len(size, d, m):
-        """Values of one data device's slice of a fragment (a whole number of blocks per replica)."""
-        unit = block_size * (m if mode == "two_stage" else 1)
-        return max(coll._round_up(-(-size // d), unit), unit)
-
-    def _phase(step):
-        return phase(step, sync_every=sync_every, num_fragments=num_p, overlap=overlap)
-
-    def all_phases():
-        seen = []
-        for t in range(1, 2 * sync_every + overlap + 2):
-            ph = _phase(t)
-            if ph not in seen:
-                seen.append(ph)
-        return seen
-
-    # ------------------------------------------------------------------ init
-
     def init_fn(params):
         specs.require_axis(axis_name, "diloco")
         plan = plan_of(params)
-        d, m = data_size(), coll.axis_size(axis_name)
+        d, m = ex.data_size(), coll.axis_size(axis_name)
         global_params = jax.tree.map(lambda x: lax.pmean(x, axis_name), params)
-        outer_states = tuple(outer.init(plan.select(global_params, p)) for p in range(num_p))
-        k = [slice_len(s, d, m) for s in plan.fragment_sizes()]
+        outer_states = tuple(outer.init(plan.select(global_params, p)) for p in range(num_fragments))
+        k = [ex.slice_len(s, d, m) for s in plan.fragment_sizes()]
         device_axes = specs.manual_axes()
         held = max(k) if overlap >= 2 else 1  # only tau >= 2 holds a mean across steps (1: orbax saves no empty array)
         # the slot holds this device's slice: varying over the sliced axis, and over any axis the parameters
@@ -342,75 +496,13 @@ def diloco(
         inflight = specs.to_varying(jnp.zeros((held,), jnp.float32), tuple(a for a in device_axes if a in slot_axes))
         error, error_scale = (), ()
         if compensate and bits is not None:
-            stored = [
-                jax.tree.map(lambda x: specs.to_varying(x, device_axes), quant.stored_zeros((1, kp), error_bits, block_size=block_size))
-                for kp in k
-            ]
+            stored = [jax.tree.map(lambda x: specs.to_varying(x, device_axes),
+                                   quant.stored_zeros((1, kp), error_bits, block_size=block_size)) for kp in k]
             error, error_scale = tuple(s[0] for s in stored), tuple(s[1] for s in stored)
         zero = jnp.zeros((), jnp.int32)
         skipped = specs.to_varying(jnp.zeros((1,), jnp.int32), (axis_name,))  # one count per replica
-        return DiLoCoState(_per_replica(inner.init(params)), global_params, outer_states, zero, skipped, inflight,
-                           error, error_scale, zero)
-
-    # -------------------------------------------------------------- exchange
-
-    def _my_slice(flat, k, d):
-        padded = jnp.pad(flat, (0, k * d - flat.shape[0]))
-        if d == 1:
-            return padded
-        return lax.dynamic_slice(padded, (lax.axis_index(data_axis) * k,), (k,))
-
-    def _gather_slices(mean_slice, size, d):
-        if d > 1:
-            mean_slice = lax.all_gather(mean_slice, data_axis, axis=0, tiled=True, to="invarying")
-        return mean_slice[:size]
-
-    def _gather_codes(codes, p, size, d):
-        """The fragment's mean from every data device's exchanged payloads, gathered as codes and decoded
-        here: the same bytes through the same decode as :func:`_gather_slices`' fp32 slices, so the same
-        values, in ``M x bits / 32`` of the bytes (and a decode of the whole fragment on every device)."""
-        gathered, finish = codes
-        with jax.named_scope(APPLY_GATHER):  # names it in the compiled program (benchmarks/gpu_schedule.py)
-            every = lax.all_gather(gathered, data_axis, axis=0, to="invarying")  # (d, M, payload bytes) uint8
-        return cfg.rotate_out(jax.vmap(finish)(every), p).reshape(-1)[:size]
-
-    def _exchange(slice_f32, p, state):
-        """Mean over replicas of this device's slice.
-
-        Returns ``(mean slice, new stored error or None, codes or None)``; ``codes`` is ``(gathered
-        payloads, finish)`` with ``rotate_out(finish(gathered)) == mean slice``, for :func:`_gather_codes`.
-        """
-        m = coll.axis_size(axis_name)
-        if bits is None:
-            return coll.on_own_stream(lambda: lax.pmean(slice_f32, axis_name)), None, None
-        e = quant.load(state.error[p], state.error_scale[p], error_bits, block_size=block_size)[0] if compensate else 0.0
-        h = cfg.rotate_in(slice_f32[None], p)[0] + e  # with rotate, the error lives in fragment p's rotated domain
-        # own_stream: the exchange crosses replicas (a slow link); on GPUs it asks for a stream of its own
-        if mode == "all_gather":
-            _, sent, gathered = coll.all_gather_sum(h[None], axis_name, cfg, own_stream=True, with_payloads=True)
-            finish, sent = (lambda g: cfg.decode(g, h.shape[0]).sum(axis=0) / m), sent[0]
-        else:
-            chunk, sent = coll.reduce_scatter_rows(h.reshape(m, -1), axis_name, cfg, own_stream=True)
-            _, _, gathered = coll.all_gather_chunk(chunk / m, axis_name, cfg, own_stream=True, with_payloads=True)
-            finish, sent = (lambda g: cfg.decode(g, chunk.shape[0]).reshape(-1)), sent.reshape(-1)
-        mean = cfg.rotate_out(finish(gathered)[None], p)[0]
-        stored = None
-        if compensate:
-            stored = error_feedback(e[None], h[None], sent[None], beta=error_beta, error_bits=error_bits,
-                                    block_size=block_size, never=state.step < 0)
-        return mean, stored, (gathered, finish)
-
-    # ---------------------------------------------------------------- update
-
-    def _replica_finite(tree):
-        """All of ``tree`` finite on every device of this replica (no collective over ``axis_name``)."""
-        return global_all_finite(tree, tuple(a for a in specs.manual_axes() if a != axis_name))
-
-    def _per_replica(inner_state):
-        """The inner state as stored: each leaf varying over the replica axis, a scalar as shape ``(1,)``
-        (a replica that skips a step keeps its own counts, and a scalar has no dim 0 to split over replicas)."""
-        return jax.tree.map(lambda x: specs.to_varying(x.reshape((1,) if x.ndim == 0 else x.shape), (axis_name,)),
-                            inner_state)
+        return DiLoCoState(per_replica(inner.init(params), axis_name), global_params, outer_states, zero, skipped,
+                           inflight, error, error_scale, zero)
 
     def _inner_step(grads, state, params, extra):
         """This replica's inner step, or none where its gradients or updates are non-finite."""
@@ -418,13 +510,14 @@ def diloco(
         inner_in = jax.tree.map(lambda x, a: x.reshape(a.shape), state.inner, own)
         with specs.independent_of(axis_name):
             updates, new_inner = inner.update(grads, inner_in, params, **extra)
-        ok = _replica_finite((grads, updates))
+        ok = replica_finite((grads, updates), axis_name)
         updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
-        return optax.apply_updates(params, updates), _select(ok, _per_replica(new_inner), state.inner), ok
+        return (optax.apply_updates(params, updates), _select(ok, per_replica(new_inner, axis_name), state.inner),
+                ok)
 
     def _step(ph: Phase, grads, state, params, extra):
         plan = plan_of(params)
-        d, m = data_size(), coll.axis_size(axis_name)
+        d, m = ex.data_size(), coll.axis_size(axis_name)
         sizes = plan.fragment_sizes()
         local, inner_state, inner_ok = _inner_step(grads, state, params, extra)
         global_params, outer_states = state.global_params, list(state.outer)
@@ -434,12 +527,13 @@ def diloco(
         mean_now = codes_now = None
         if ph.send is not None:
             p = ph.send
-            k = slice_len(sizes[p], d, m)
+            k = ex.slice_len(sizes[p], d, m)
             snapshot = local if overlap == 0 else params  # params of step t+1 are theta(t)
             delta = plan.extract(global_params, p) - plan.extract(snapshot, p)
-            mean_slice, stored, codes = _exchange(_my_slice(delta, k, d), p, state)
+            stored_error = (error[p], error_scale[p]) if error else (None, None)
+            mean_slice, stored, codes = ex.mean(ex.my_slice(delta, k, d), p, *stored_error, never=state.step < 0)
             # the same on every replica: they all decoded the same payloads
-            sent_ok = _replica_finite(mean_slice)
+            sent_ok = replica_finite(mean_slice, axis_name)
             dropped = dropped + (~sent_ok).astype(jnp.int32)
             if stored is not None:  # a dropped round was not delivered: its error is not fed back
                 error[p], error_scale[p] = _select(sent_ok, stored, (error[p], error_scale[p]))
@@ -450,28 +544,18 @@ def diloco(
 
         if ph.apply is not None:
             p = ph.apply
-            k = slice_len(sizes[p], d, m)
+            k = ex.slice_len(sizes[p], d, m)
             mean_slice = mean_now if mean_now is not None else inflight[:k]
             # inside the replica, every device needs the whole fragment: move the exchanged codes where they
             # are fewer bytes than the fp32 slice (held across steps, tau >= 2, the slot keeps fp32)
             if d > 1 and codes_now is not None and codes_now[0].size < GATHER_CODES_BELOW * k:
-                mean_delta = _gather_codes(codes_now, p, sizes[p], d)
+                mean_delta = ex.gather_codes(codes_now, p, sizes[p], d)
             else:
-                mean_delta = _gather_slices(mean_slice, sizes[p], d)
-            global_pieces = plan.select(global_params, p)
-            delta_pieces = _split(mean_delta, global_pieces)
-            outer_updates, new_outer = outer.update(delta_pieces, outer_states[p], global_pieces)
-            merged = optax.apply_updates(global_pieces, outer_updates)
-            merged_flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in merged])
-            local_flat = plan.extract(local, p)
-            mixed = alpha * local_flat + (1.0 - alpha) * merged_flat
+                mean_delta = ex.gather_slices(mean_slice, sizes[p], d)
             # a dropped round (now, or at its send step): the fragment keeps its values
-            full = _replica_finite(mean_slice)
-            merged_flat = jnp.where(full, merged_flat, plan.extract(global_params, p))
-            mixed = jnp.where(full, mixed, local_flat)
-            outer_states[p] = _select(full, new_outer, outer_states[p])
-            global_params = plan.insert(global_params, p, merged_flat)
-            local = plan.insert(local, p, mixed)
+            delivered = replica_finite(mean_slice, axis_name)
+            global_params, local, outer_states[p] = merge(plan, p, mean_delta, global_params, local, outer,
+                                                          outer_states[p], alpha, delivered)
 
         updates = jax.tree.map(lambda new, old: new - old, local, params)
         return updates, DiLoCoState(
@@ -487,59 +571,17 @@ def diloco(
             if not isinstance(phase, Phase):
                 raise ValueError(f"phase={phase!r} must be a diloco.Phase from tx.phase(step).")
             return _step(phase, grads, state, params, extra)
-        phases = all_phases()
-        index = _traced_phase_index(state.step + 1, phases)
+        phases = schedule_phases(**schedule)
+        index = traced_phase_index(state.step + 1, phases, **schedule)
         branches = [functools.partial(_step, ph, extra=extra) for ph in phases]
         return lax.switch(index, branches, grads, state, params)
 
-    def _traced_phase_index(t, phases):
-        offsets = jnp.asarray(schedule_offsets(sync_every, num_p), jnp.int32)
-
-        def due(step):
-            hit = (step >= sync_every) & ((step - offsets) % sync_every == 0)
-            return jnp.where(jnp.any(hit), jnp.argmax(hit), -1)
-
-        send = due(t) if overlap == 0 else due(t - 1)
-        apply = due(t) if overlap == 0 else due(t - overlap)
-        index = jnp.int32(0)
-        for i, ph in enumerate(phases):
-            s = -1 if ph.send is None else ph.send
-            a = -1 if ph.apply is None else ph.apply
-            index = jnp.where((send == s) & (apply == a), i, index)
-        return index
-
-    def relayout_inflight(inflight, params, fragment, old_mesh, new_mesh):
-        """The in-flight mean of ``fragment`` written on ``old_mesh``, cut into ``new_mesh``'s slices.
-
-        ``inflight`` is the global (host) view of ``DiLoCoState.inflight`` on
-        ``old_mesh = (M, D)`` (D: the data devices this optimizer slices over,
-        1 when ``data_axis`` is None): D rows of ``k_max`` values, row ``j`` holding
-        data device ``j``'s slice of ``mean_m(theta_global - theta_m)``
-        (identical on every replica). Row ``j``'s first ``k(D, M)`` values
-        are its slice, so concatenating them and keeping the fragment's
-        ``n_p`` values gives the whole mean, which is cut again into
-        ``k(D', M')``-value slices and padded to the new ``k_max``. Applying
-        the result on the new mesh is exactly the apply the old mesh would
-        have made: the exchange is completed, not dropped.
-        """
-        sizes = plan_of(params).fragment_sizes()
-        (m_old, d_old), (m_new, d_new) = old_mesh, new_mesh
-        size = sizes[fragment]
-        k_old, k_new = slice_len(size, d_old, m_old), slice_len(size, d_new, m_new)
-        inflight = np.asarray(inflight, np.float32)
-        if inflight.shape[0] % d_old or inflight.shape[0] // d_old < k_old:
-            raise ValueError(
-                f"inflight of shape {inflight.shape} does not hold {d_old} slices of {k_old} values "
-                f"(fragment {fragment} of {size} values on mesh replica={m_old}, data={d_old})."
-            )
-        mean = inflight.reshape(d_old, -1)[:, :k_old].reshape(-1)[:size]
-        k_max = max(slice_len(s, d_new, m_new) for s in sizes)
-        out = np.zeros((d_new, k_max), np.float32)
-        out[:, :k_new] = np.pad(mean, (0, k_new * d_new - size)).reshape(d_new, k_new)
-        return out.reshape(-1)
-
     tx = DiLoCo(init_fn, update_fn)
-    tx.phase, tx.phases, tx.plan, tx.relayout_inflight = _phase, all_phases, plan_of, relayout_inflight
+    tx.phase = functools.partial(phase, **schedule)
+    tx.phases = functools.partial(schedule_phases, **schedule)
+    tx.plan = plan_of
+    tx.relayout_inflight = lambda inflight, params, fragment, old_mesh, new_mesh: relayout_inflight(
+        inflight, plan_of(params).fragment_sizes(), fragment, old_mesh, new_mesh, ex.slice_len)
     return tx
 
 

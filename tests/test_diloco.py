@@ -542,3 +542,38 @@ def test_rotated_low_bit_exchange_tracks_the_fp32_exchange(mesh, bits, fmt):
     err = lambda v: np.linalg.norm(v - exact) / np.linalg.norm(exact)
     assert err(rotated) < {2: 0.45, 1: 0.8}[bits], err(rotated)  # all-gather floors: 0.34 and 0.60 on Gaussians
     assert any(np.any(np.asarray(e) != np.asarray(e).flat[0]) for e in run.state.error), "the error buffer was written"
+
+
+def test_merge_is_the_outer_step_then_the_alpha_mix_and_a_dropped_round_changes_nothing():
+    """diloco.merge, fragment p's apply, against NumPy: theta~ = theta_g - lr * mean (plain SGD),
+    theta = alpha theta + (1 - alpha) theta~, theta_g = theta~; not delivered: every value and state kept."""
+    params = make_params()
+    plan = diloco.diloco(inner_sgd(0.1), sync_every=6, num_fragments=3).plan(params)
+    rng = np.random.RandomState(0)
+    glob = jax.tree.map(lambda x: x + 0.1, params)
+    p, alpha, lr = 1, 0.25, 0.5
+    mean = jnp.asarray(rng.randn(plan.fragment_sizes()[p]).astype(np.float32))
+    outer = optax.sgd(lr, momentum=0.9)
+    state0 = outer.init(plan.select(glob, p))
+    for delivered in (True, False):
+        g2, l2, s2 = diloco.merge(plan, p, mean, glob, params, outer, state0, alpha, jnp.asarray(delivered))
+        g_flat, l_flat = np.asarray(plan.extract(glob, p)), np.asarray(plan.extract(params, p))
+        want_g = g_flat - lr * np.asarray(mean) if delivered else g_flat
+        want_l = alpha * l_flat + (1 - alpha) * want_g if delivered else l_flat
+        np.testing.assert_allclose(np.asarray(plan.extract(g2, p)), want_g, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(plan.extract(l2, p)), want_l, rtol=1e-6, atol=1e-7)
+        for q in (0, 2):  # the other fragments are untouched
+            np.testing.assert_array_equal(np.asarray(plan.extract(g2, q)), np.asarray(plan.extract(glob, q)))
+            np.testing.assert_array_equal(np.asarray(plan.extract(l2, q)), np.asarray(plan.extract(params, q)))
+        momentum = np.concatenate([np.ravel(x) for x in jax.tree.leaves(s2)])
+        assert np.any(momentum != 0) if delivered else not np.any(momentum), delivered
+
+
+def test_schedule_phases_and_slices():
+    """The schedule's distinct phases (one program each) and the slice each data device sends."""
+    assert diloco.schedule_phases(6, 3, 1) == [diloco.Phase(None, None), diloco.Phase(0, 0), diloco.Phase(1, 1),
+                                               diloco.Phase(2, 2)]
+    assert diloco.schedule_phases(4, 1, 0) == [diloco.Phase(None, None), diloco.Phase(0, 0)]
+    ex = diloco.Exchange("replica", "data", 4, collectives.QuantConfig(4), "all_gather", False, 0.8, 8, 256)
+    assert ex.slice_len(3072, 4, 2) == 768 and ex.slice_len(3073, 4, 2) == 1024 and ex.slice_len(10, 4, 2) == 256
+    assert ex._replace(mode="two_stage").slice_len(3072, 4, 2) == 1024  # whole blocks per replica: M B units

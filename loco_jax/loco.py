@@ -79,6 +79,7 @@ Model Training", arXiv 2407.04480 (TPAMI 2025), Algorithm 1; docs/algorithms.md,
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, NamedTuple, get_args
 
 import jax
@@ -426,6 +427,79 @@ def exchanger(**kwargs) -> Exchanger:
     return _build(**kwargs)
 
 
+def bucket_labels(groups, treedef, count):
+    """One bucket label per gradient leaf from ``compress(groups=...)``: None (the default buckets), a
+    non-negative int (one bucket per number) or :data:`STACK` (one bucket per layer of a scanned stack)."""
+    if groups is None:
+        return [None] * count
+    labels, labels_def = jax.tree.flatten(groups, is_leaf=lambda x: x is None)
+    if labels_def != treedef:
+        raise ValueError(f"loco.compress: groups has structure {labels_def}, but the gradients have {treedef}; "
+                         "give one label per gradient leaf (None, an int, or loco.STACK).")
+    for label in labels:
+        if not (label is None or label == STACK or (is_int(label) and label >= 0)):
+            raise ValueError(f"loco.compress: bucket label {label!r} is not None, a non-negative int or "
+                             f"loco.STACK.")
+    return labels
+
+
+def bucket_cols(sizes, m, *, block_size, scatter=False, fast_size=None):
+    """Columns of the ``(m, cols)`` rows LoCo quantizes for a bucket of full gradients of these sizes: whole
+    blocks, ``round_up(ceil(n / m), B)`` (:func:`loco_jax.collectives.bucket_cols`). Hierarchical
+    (``fast_size`` devices on the fast axis): the rows are this device's ``1/D`` shard of the bucket."""
+    if fast_size is not None:
+        return coll.bucket_cols(sizes, fast_size, block_size, pad_multiple=m) // m
+    return coll.bucket_cols(sizes, m, block_size, scatter=scatter)
+
+
+def split_rows(shape, dim, bucket_size, scatter):
+    """Row ranges of dim 0 that cut one leaf into pieces of at most ``bucket_size`` values (scatter, shards off
+    dim 0: each piece keeps every device's shard). One range (the whole leaf) otherwise."""
+    n0 = shape[0] if shape else 1
+    full_size = int(np.prod(shape))
+    if not (scatter and bucket_size is not None and dim != 0 and full_size > bucket_size and n0 > 1):
+        return [(0, n0)]
+    edges = np.linspace(0, n0, min(n0, -(-full_size // bucket_size)) + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def bucket_layout(shapes, dims, labels, m, *, block_size, bucket_size=None, scatter=False, fast_size=None):
+    """The buckets of full gradients of these shapes: ``(flat, stack)``.
+
+    ``flat``: per bucket, ``(pieces, cols)`` with pieces ``(leaf, start, stop)`` (a dim-0 row range: the whole
+    leaf unless scatter cut it to ``bucket_size``); unlabelled leaves first, grouped consecutively into
+    buckets of at most ``bucket_size`` values, then one bucket per group number. ``stack``: ``(leaves, layers,
+    cols)`` of the STACK leaves, or None. Bucket ``b`` of ``flat`` is number ``b``; layer ``l`` of the stack is
+    number ``len(flat) + l`` (its rotation and rounding keys). ``dims``: each leaf's shard dimension (scatter).
+    """
+    cols = functools.partial(bucket_cols, m=m, block_size=block_size, scatter=scatter, fast_size=fast_size)
+
+    def size(shape, a=0, b=None):
+        rows = (shape[0] if shape else 1) if b is None else b - a
+        return int(np.prod(shape[1:])) * rows if shape else 1
+
+    pieces = [(i, a, b) for i, label in enumerate(labels) if label is None
+              for a, b in split_rows(shapes[i], dims[i] if scatter else 0, bucket_size, scatter)]
+    sizes = [size(shapes[i], a, b) for i, a, b in pieces]
+    flat = [([pieces[k] for k in g], cols([sizes[k] for k in g])) for g in coll.group_leaves(sizes, bucket_size)]
+    for number in sorted({label for label in labels if isinstance(label, int)}):
+        members = [i for i, label in enumerate(labels) if label == number]
+        flat.append(([(i, 0, shapes[i][0] if shapes[i] else 1) for i in members],
+                     cols([size(shapes[i]) for i in members])))
+    stacked = [i for i, label in enumerate(labels) if label == STACK]
+    if not stacked:
+        return flat, None
+    depths = {shapes[i][0] if shapes[i] else None for i in stacked}
+    if len(depths) != 1 or None in depths:
+        raise ValueError(f"loco.compress: the STACK leaves must share their layer axis (dim 0); their shapes are "
+                         f"{[tuple(shapes[i]) for i in stacked]}.")
+    for i in stacked:
+        if scatter and dims[i] == 0:
+            raise ValueError(f"loco.compress: STACK leaf {i} of shape {tuple(shapes[i])} is sharded on dim 0, "
+                             "its layer axis; shard it on another dimension (fsdp.shard_dims does).")
+    return flat, (stacked, depths.pop(), cols([int(np.prod(shapes[i][1:])) for i in stacked]))
+
+
 def _build(
     bits=4, *, beta=None, reset_every=1024, error_bits=8, block_size=quant.DEFAULT_BLOCK_SIZE, format=None,
     rotate=None, axis_name="data", compensate=None, reduce="mean", mode="two_stage", compensate_second_stage=None,
@@ -463,69 +537,13 @@ def _build(
     cfg = coll.QuantConfig(bits or 8, block_size, format, rotate, seed)
     scatter = reduce == "scatter"
 
-    def _cols(sizes, m):
-        """Columns of the ``(m, cols)`` rows LoCo quantizes for a bucket of full gradients of these sizes.
-        Hierarchical: the rows are this device's 1/D shard of the bucket over ``fast_axis``."""
-        if fast_axis is not None:
-            return coll.bucket_cols(sizes, coll.axis_size(fast_axis), block_size, pad_multiple=m) // m
-        return coll.bucket_cols(sizes, m, block_size, scatter=scatter)
-
-    def _splits(shape, dim):
-        """Row ranges of dim 0 that cut one leaf into pieces of at most ``bucket_size`` values (scatter, shards
-        off dim 0: each piece keeps every device's shard). One range (the whole leaf) otherwise."""
-        n0 = shape[0] if shape else 1
-        full_size = int(np.prod(shape))
-        if not (scatter and bucket_size is not None and dim != 0 and full_size > bucket_size and n0 > 1):
-            return [(0, n0)]
-        edges = np.linspace(0, n0, min(n0, -(-full_size // bucket_size)) + 1).round().astype(int)
-        return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
-
-    def labels_of(treedef, count):
-        """One bucket label per leaf (``groups``): None, a non-negative int, or STACK."""
-        if groups is None:
-            return [None] * count
-        labels, labels_def = jax.tree.flatten(groups, is_leaf=lambda x: x is None)
-        if labels_def != treedef:
-            raise ValueError(f"loco.compress: groups has structure {labels_def}, but the gradients have {treedef}; "
-                             "give one label per gradient leaf (None, an int, or loco.STACK).")
-        for label in labels:
-            if not (label is None or label == STACK or (is_int(label) and label >= 0)):
-                raise ValueError(f"loco.compress: bucket label {label!r} is not None, a non-negative int or "
-                                 f"loco.STACK.")
-        return labels
-
     def layout(shapes, dims, labels, m):
-        """The buckets of full gradients of these shapes: ``(flat, stack)``.
+        """:func:`bucket_layout` with this transformation's settings (``m``: devices on ``axis_name``)."""
+        fast_size = coll.axis_size(fast_axis) if fast_axis is not None else None
+        return bucket_layout(shapes, dims, labels, m, block_size=block_size, bucket_size=bucket_size,
+                             scatter=scatter, fast_size=fast_size)
 
-        ``flat``: per bucket, ``(pieces, cols)`` with pieces ``(leaf, start, stop)`` (a dim-0 row range: the
-        whole leaf unless scatter cut it to ``bucket_size``); unlabelled leaves first, then one bucket per
-        group number. ``stack``: ``(leaves, layers, cols)`` of the STACK leaves, or None. Bucket ``b`` of
-        ``flat`` is number ``b``; layer ``l`` of the stack is number ``len(flat) + l`` (its rotation and
-        rounding keys)."""
-        def size(shape, a=0, b=None):
-            rows = (shape[0] if shape else 1) if b is None else b - a
-            return int(np.prod(shape[1:])) * rows if shape else 1
-
-        pieces = [(i, a, b) for i, label in enumerate(labels) if label is None
-                  for a, b in _splits(shapes[i], dims[i] if scatter else 0)]
-        sizes = [size(shapes[i], a, b) for i, a, b in pieces]
-        flat = [([pieces[k] for k in g], _cols([sizes[k] for k in g], m)) for g in coll.group_leaves(sizes, bucket_size)]
-        for number in sorted({label for label in labels if isinstance(label, int)}):
-            members = [i for i, label in enumerate(labels) if label == number]
-            flat.append(([(i, 0, shapes[i][0] if shapes[i] else 1) for i in members],
-                         _cols([size(shapes[i]) for i in members], m)))
-        stacked = [i for i, label in enumerate(labels) if label == STACK]
-        if not stacked:
-            return flat, None
-        depths = {shapes[i][0] if shapes[i] else None for i in stacked}
-        if len(depths) != 1 or None in depths:
-            raise ValueError(f"loco.compress: the STACK leaves must share their layer axis (dim 0); their shapes are "
-                             f"{[tuple(shapes[i]) for i in stacked]}.")
-        for i in stacked:
-            if scatter and dims[i] == 0:
-                raise ValueError(f"loco.compress: STACK leaf {i} of shape {tuple(shapes[i])} is sharded on dim 0, "
-                                 "its layer axis; shard it on another dimension (fsdp.shard_dims does).")
-        return flat, (stacked, depths.pop(), _cols([int(np.prod(shapes[i][1:])) for i in stacked], m))
+    labels_of = functools.partial(bucket_labels, groups)
 
     def _init_dims(params):
         if not scatter or shard_dims is None:

@@ -547,3 +547,21 @@ def test_error_feedback_is_the_moving_average_of_compression_errors(beta, error_
     else:  # stored in 8 bits: within half a step of each block's absmax grid
         step = np.abs(want).reshape(2, -1, 256).max(axis=-1, keepdims=True) / 127
         assert np.all(np.abs(got - want).reshape(2, -1, 256) <= step / 2 + 1e-7)
+
+
+def test_buckets_group_consecutive_leaves_then_numbers_then_the_stack():
+    """loco.bucket_layout: unlabelled leaves in consecutive buckets of at most bucket_size values, whole
+    blocks per row; then one bucket per group number; the STACK leaves one bucket per layer."""
+    shapes = [(300,), (200,), (700,), (4, 10), (3, 64), (3, 32)]
+    labels = loco.bucket_labels([None, None, None, 5, loco.STACK, loco.STACK], jax.tree.structure([0] * 6), 6)
+    flat, stack = loco.bucket_layout(shapes, [0] * 6, labels, 2, block_size=256, bucket_size=600)
+    assert [[piece[0] for piece in pieces] for pieces, _ in flat] == [[0, 1], [2], [3]]
+    assert [cols for _, cols in flat] == [256, 512, 256]  # ceil(500/2), ceil(700/2), ceil(40/2) up to blocks
+    assert stack == ([4, 5], 3, 256)  # 64 + 32 values a layer, one block a row
+    with pytest.raises(ValueError, match="bucket label -1 is not None, a non-negative int or loco.STACK"):
+        loco.bucket_labels([-1], jax.tree.structure([0]), 1)
+    with pytest.raises(ValueError, match="must share their layer axis"):
+        loco.bucket_layout([(3, 4), (2, 4)], [0, 0], [loco.STACK] * 2, 2, block_size=256)
+    # FSDP (scatter): a leaf larger than bucket_size is cut into row ranges, each keeping every device's shard
+    assert loco.split_rows((8, 512), 1, 1024, scatter=True) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert loco.split_rows((8, 512), 0, 1024, scatter=True) == [(0, 8)]

@@ -89,6 +89,9 @@ State layout (:func:`state_specs`): the inner state and the local
 parameters differ per replica, global parameters and outer states are
 identical everywhere, error buffers and the in-flight slice differ per
 device.
+
+Why one module of this size: the schedule, the exchange (:class:`Exchange`), the apply (:func:`merge`)
+and the in-flight relayout are DiLoCo's parts, each a module-level piece; the factory only wires them.
 """
 
 from __future__ import annotations

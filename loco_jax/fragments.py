@@ -46,6 +46,9 @@ Reference: docs/algorithms.md, "6. DiLoCo and Streaming DiLoCo" (Fragments); Str
 
 Nothing here is specific to one model: blocks are found by their paths. The LLaMA-style
 tree the trainer uses is described in :mod:`loco_jax.training.shapes`.
+
+Why one module of this size: block detection, assignment and the flatten / insert of a fragment are
+one plan object's parts, tested together.
 """
 
 from __future__ import annotations

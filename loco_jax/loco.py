@@ -75,6 +75,11 @@ there is nothing left to compress (``update`` detects this and raises).
 
 Reference: Xie et al., "LoCo: Low-Bit Communication Adaptor for Large-scale
 Model Training", arXiv 2407.04480 (TPAMI 2025), Algorithm 1; docs/algorithms.md, "4. LoCo error compensation".
+
+Why one module of this size: ``compress`` and its in-backward ``exchanger`` share one per-bucket
+step (bucket, send, exchange, receive) that must stay bit-identical between the two paths; the
+bucketing (:func:`bucket_layout`) and the error-feedback step (:func:`error_feedback`) are module-level
+pieces of their own.
 """
 
 from __future__ import annotations

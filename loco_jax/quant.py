@@ -89,6 +89,9 @@ followed by the fp32 scales bitcast to bytes, so a collective moves one
 
 Reference: docs/algorithms.md, "2. Low-bit formats"; LoCo (arXiv 2407.04480) and Streaming
 DiLoCo (arXiv 2501.18512, section on quantized exchange).
+
+Why one module of this size: every format shares the block layout, the packing and the payload
+encoding (codes and scales in one uint8 buffer), which the collectives rely on being one definition.
 """
 
 from __future__ import annotations

@@ -75,6 +75,9 @@ a cached graphdef with the pure dict (``nnx.merge``), so it runs exactly the
 code of :class:`Transformer`. :func:`generate` continues prompts token by token
 (greedy, or temperature / top-k sampling) by re-running ``apply`` over a fixed
 window.
+
+Why one module of this size: the Flax model, its loss and ``generate`` use the same blocks and
+attention; the parameter tree's shapes are :mod:`loco_jax.training.shapes`.
 """
 
 from __future__ import annotations

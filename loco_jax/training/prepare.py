@@ -19,6 +19,9 @@ SentencePiece (its encoding time grows faster than linearly with the input's len
 same tokens as encoding the whole document: exactly for the byte tokenizer and the SentencePiece models
 this project trains (the newline is a user-defined symbol, so no token crosses it), and, for any other
 model, :func:`pieces_are_exact` checks it on a sample first and documents are encoded whole otherwise.
+
+Why one module of this size: ``prepare`` reads, encodes and writes in one pass over the inputs, and
+its pieces (inputs, document pieces, the encoder, the progress line) exist only for it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ exchange on 8 H200s by the GPU compiler's schedule, none before; docs/results.md
 Across replicas (mesh.replicas, one per cluster): Streaming DiLoCo with the paper's settings scaled to
 32 blocks: H = 100, 12 fragments (fragment 0: embeddings, final norm and head; 11 fragments of 2-3
 strided blocks), overlap 1, alpha 0.5, a 4-bit e3m0 outer exchange, outer SGD lr 0.4 with Nesterov
-momentum 0.9.
+momentum 0.9. On 2 hosts x 8 H200s the GPU compiler runs the whole step's compute under the exchange
+(100 % of a send program's gemm FLOPs, with the XLA options the trainer sets; docs/results.md, "The 8B
+exchange under the step").
 
 Settings:
     seq_len=4096 accum_steps=8 model.d_model=4096 model.num_layers=32 model.num_heads=32 model.num_kv_heads=8

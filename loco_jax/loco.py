@@ -505,6 +505,314 @@ def bucket_layout(shapes, dims, labels, m, *, block_size, bucket_size=None, scat
     return flat, (stacked, depths.pop(), cols([int(np.prod(shapes[i][1:])) for i in stacked]))
 
 
+class BucketStep(NamedTuple):
+    """LoCo's step on one bucket and on a whole gradient tree, with the settings :func:`compress` resolved.
+
+    :meth:`bucket` is one bucket's step (compensate, quantize, exchange, decode, store the new error); with
+    the two-stage all-reduce it splits at its all-to-all into :meth:`send`, :meth:`exchange` and
+    :meth:`receive`, which the in-backward exchange (:mod:`loco_jax.backward`) issues a layer apart.
+    :meth:`init` and :meth:`update` are the optax transformation's.
+    """
+
+    axis_name: str | None
+    fast_axis: str | None
+    scatter: bool
+    block_size: int
+    bucket_size: int | None
+    stochastic_rounding: bool
+    cfg: coll.QuantConfig
+    quantized: bool
+    keep_error: bool
+    error_bits: int | None
+    beta: float
+    compensate_second_stage: bool
+    mode: str
+    reset_every: int | None
+    shard_dims: Any
+    nonfinite: str
+    groups: Any
+    seed: int
+
+    def layout(self, shapes, dims, labels, m):
+        """:func:`bucket_layout` with this transformation's settings (``m``: devices on ``axis_name``)."""
+        fast_size = coll.axis_size(self.fast_axis) if self.fast_axis is not None else None
+        return bucket_layout(shapes, dims, labels, m, block_size=self.block_size, bucket_size=self.bucket_size,
+                             scatter=self.scatter, fast_size=fast_size)
+
+    def labels_of(self, treedef, count):
+        """The ``groups`` labels of a tree (:func:`bucket_labels`)."""
+        return bucket_labels(self.groups, treedef, count)
+
+    def _init_dims(self, params):
+        if not self.scatter or self.shard_dims is None:
+            return [0] * len(jax.tree.leaves(params))
+        return [int(d) for d in jax.tree.leaves(self.shard_dims)]
+
+    def init(self, params):
+        if self.axis_name is not None:
+            specs.require_axis(self.axis_name, "loco.compress")
+        if self.fast_axis is not None:
+            specs.require_axis(self.fast_axis, "loco.compress")
+        count = jnp.zeros((), jnp.int32)
+        key = jax.random.key_data(jax.random.PRNGKey(self.seed))
+        if not self.keep_error:
+            return CompressState(count, count, key)
+        m = coll.axis_size(self.axis_name)
+        leaves, treedef = jax.tree.flatten(params)
+        # The error buffers vary as the gradients will: over axis_name and over every axis the
+        # parameters vary over (e.g. DiLoCo's replica axis), so the updates keep the parameters' type.
+        device_axes = _device_axes(leaves, self.axis_name)
+        if self.fast_axis is not None:  # hierarchical: each fast device keeps the errors of its own shard
+            device_axes = tuple(a for a in specs.manual_axes() if a in device_axes or a == self.fast_axis)
+
+        def zeros(shape, depth=None):
+            values, scales = quant.stored_zeros(shape, self.error_bits, block_size=self.block_size)
+            if depth is not None:
+                values, scales = jax.tree.map(lambda x: jnp.broadcast_to(x, (depth,) + x.shape), (values, scales))
+            return jax.tree.map(lambda x: specs.to_varying(x, device_axes), (values, scales))
+
+        dims = self._init_dims(params)
+        shapes = [tuple(leaf.shape) for leaf in leaves]
+        if self.scatter:  # init receives shards: the full gradients are m times bigger on their shard dimension
+            shapes = [tuple(n * m if k == d else n for k, n in enumerate(s)) for s, d in zip(shapes, dims)]
+        flat, stack = self.layout(shapes, dims, self.labels_of(treedef, len(leaves)), m)
+        buffers = [(cols, None) for _, cols in flat] + ([(stack[2], stack[1])] if stack else [])
+        error, error_scale, error2, error2_scale = [], [], [], []
+        for cols, depth in buffers:
+            values, scales = zeros((m, cols), depth)
+            error.append(values)
+            error_scale.append(scales)
+            if self.compensate_second_stage:
+                values, scales = zeros((1, cols), depth)
+                error2.append(values)
+                error2_scale.append(scales)
+        return CompressState(count, count, key, tuple(error), tuple(error_scale), tuple(error2), tuple(error2_scale))
+
+    def _dims(self, treedef, leaves, params, m):
+        """Per leaf, the dimension its shard is cut on (scatter), checked against the gradients and params."""
+        if self.shard_dims is None:
+            dims = [0] * len(leaves)
+        else:
+            dims_leaves, dims_def = jax.tree.flatten(self.shard_dims)
+            if dims_def != treedef:
+                raise ValueError(
+                    f"loco.compress: shard_dims has structure {dims_def}, but the gradients have {treedef}; give one "
+                    "int per gradient leaf."
+                )
+            dims = [int(d) for d in dims_leaves]
+        param_leaves = None if params is None else jax.tree.leaves(params)
+        flat_with_paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, leaves))[0]
+        paths = [jax.tree_util.keystr(p) for p, _ in flat_with_paths]
+        for i, (leaf, dim) in enumerate(zip(leaves, dims)):
+            if leaf.ndim == 0 or not 0 <= dim < leaf.ndim or leaf.shape[dim] % m:
+                raise ValueError(
+                    f"loco.compress(reduce='scatter'): gradient {paths[i]} of shape {leaf.shape} is sharded on dim "
+                    f"{dim} over {m} devices of {self.axis_name!r}; that dimension must exist and be a multiple of {m}."
+                )
+            want = coll.shard_shape(leaf.shape, dim, m)
+            if param_leaves is not None and tuple(param_leaves[i].shape) != want:
+                raise ValueError(
+                    f"loco.compress(reduce='scatter'): parameter {paths[i]} has shape {param_leaves[i].shape}, but the "
+                    f"gradient {leaf.shape} sharded on dim {dim} over {m} devices gives {want}; pass the shard-shaped "
+                    "parameters and the shard_dims they were cut with."
+                )
+        return dims
+
+    def _out_dtype(self, dtype):
+        # a reduced shard feeds the optimizer of fp32 parameters: never narrower than fp32
+        return jnp.promote_types(dtype, jnp.float32) if self.scatter else dtype
+
+    def _exact(self, leaves, m, dims):
+        out = []
+        for i, leaf in enumerate(leaves):
+            g = leaf.astype(jnp.float32)
+            if self.axis_name is not None:
+                mean_axes = self.axis_name if self.fast_axis is None else (self.axis_name, self.fast_axis)
+                g = (lax.psum_scatter(g, self.axis_name, scatter_dimension=dims[i], tiled=True) / m if self.scatter
+                     else lax.pmean(g, mean_axes))
+            out.append(g.astype(self._out_dtype(leaf.dtype)))
+        return out
+
+    def step_inputs(self, state) -> StepInputs:
+        """What one update needs besides the gradients: ``t``, whether the errors reset, the step's rounding key."""
+        t = state.count + 1
+        reset = jnp.array(False) if self.reset_every is None else (t % self.reset_every == 0)
+        step_key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        return StepInputs(t, reset, step_key, next_key)
+
+    def _compensated(self, b, rows, slot, inputs):
+        """``(h, e)``: the rows rotated (identity unless rotate; errors live in this domain) plus the stored
+        stage-1 error (zero on a reset step; ``e`` None where none is kept)."""
+        rows = self.cfg.rotate_in(rows, b)
+        if not self.keep_error:
+            return rows, None
+        e = jnp.where(inputs.reset, 0.0, quant.load(slot[0], slot[1], self.error_bits, block_size=self.block_size))
+        return rows + e, e
+
+    def _stored(self, e, h, sent, slot, inputs):
+        """The slot with its new stage-1 error: the moving average of the compression errors ``h - sent``."""
+        if not self.keep_error:
+            return slot
+        values, scales = error_feedback(e, h, sent, beta=self.beta, error_bits=self.error_bits,
+                                        block_size=self.block_size, never=inputs.t < 0)
+        return (values, scales) + tuple(slot[2:])
+
+    def pipelined(self):
+        """True where a bucket's step splits at its all-to-all (:func:`send`, the collective, :func:`receive`):
+        the two-stage all-reduce or the reduce-scatter, without a fast axis."""
+        return self.quantized and self.mode == "two_stage" and self.fast_axis is None
+
+    def send(self, b, leaves, dims, slot, inputs, axes):
+        """Stage one up to its all-to-all: ``(payload, layout, slot)``, the ``uint8`` payload of the compensated
+        rows (row ``j`` goes to device ``j``), the bucket layout, and the slot with its new stage-1 error."""
+        rows, layout_ = coll.make_bucket(leaves, coll.axis_size(self.axis_name), self.block_size, scatter=self.scatter,
+                                         dims=dims)
+        key1 = coll.device_key(inputs.key, axes, 2 * b) if self.stochastic_rounding else None
+        h, e = self._compensated(b, rows, slot, inputs)
+        payload = self.cfg.encode(h, key1)
+        return payload, layout_, self._stored(e, h, self.cfg.decode(payload, h.shape[1]), slot, inputs)
+
+    def exchange(self, payload):
+        """The all-to-all of a :func:`send` payload (nothing without an axis)."""
+        return payload if self.axis_name is None else lax.all_to_all(payload, self.axis_name, 0, 0, tiled=True)
+
+    def receive(self, b, received, layout_, slot, inputs, axes):
+        """The rest of the step from the received payloads: ``(outputs, slot)``: this device's chunk of the
+        sum, then its shard (scatter) or the second stage (the all-gather of the re-quantized chunks)."""
+        m = coll.axis_size(self.axis_name)
+        chunk = self.cfg.decode(received, layout_.cols).sum(axis=0) / m
+        if self.scatter:
+            shard = coll.unbucket_shard(self.cfg.rotate_out(chunk[None], b)[0], layout_)
+            return [leaf.astype(self._out_dtype(d)) for d, leaf in zip(layout_.dtypes, jax.tree.leaves(shard))], slot
+        mean_rows, slot = self._second_stage(b, chunk, slot, inputs, axes)
+        return jax.tree.leaves(coll.unbucket(self.cfg.rotate_out(mean_rows, b), layout_)), slot
+
+    def _second_stage(self, b, chunk, slot, inputs, axes):
+        """``(mean rows, slot)``: this device's chunk of the mean re-quantized (compensated with the
+        second-stage error where kept) and all-gathered."""
+        key2 = coll.device_key(inputs.key, axes, 2 * b + 1) if self.stochastic_rounding else None
+        if not self.compensate_second_stage:
+            return coll.all_gather_chunk(chunk, self.axis_name, self.cfg, key2)[0], slot
+        e2 = jnp.where(inputs.reset, 0.0, quant.load(slot[2], slot[3], self.error_bits, block_size=self.block_size))
+        h2 = chunk[None] + e2
+        mean_rows, sent2 = coll.all_gather_chunk(h2[0], self.axis_name, self.cfg, key2)
+        values, scales = error_feedback(e2, h2, sent2[None], beta=self.beta, error_bits=self.error_bits,
+                                        block_size=self.block_size, never=inputs.t < 0)
+        return mean_rows, tuple(slot[:2]) + (values, scales)
+
+    def bucket(self, b, leaves, dims, slot, inputs, axes):
+        """One bucket's LoCo step: ``(outputs, new slot)``.
+
+        ``leaves``: full local gradients (any float dtype); ``dims``: their shard dimensions (scatter);
+        ``slot``: the bucket's ``(error, error_scale, error2, error2_scale)`` (None where not kept); ``b``:
+        the bucket's number (a traced int for the layers of a stack); ``axes``: the axes whose devices
+        draw independent rounding noise. Outputs: the mean (``reduce="mean"``) or this device's shard of it.
+        """
+        m = coll.axis_size(self.axis_name)
+        if not self.quantized:
+            return self._exact(leaves, m, dims), slot
+        if self.pipelined():
+            payload, layout_, slot = self.send(b, leaves, dims, slot, inputs, axes)
+            return self.receive(b, self.exchange(payload), layout_, slot, inputs, axes)
+        # the all-gather form, or hierarchical: exact over the fast axis first, this device's 1/D shard as (m, cols)
+        if self.fast_axis is None:
+            rows, layout_ = coll.make_bucket(leaves, m, self.block_size, scatter=self.scatter, dims=dims)
+        else:
+            rows, layout_ = coll.fast_shard(leaves, self.fast_axis, m, self.block_size, mean=True)
+        key1 = coll.device_key(inputs.key, axes, 2 * b) if self.stochastic_rounding else None
+        h, e = self._compensated(b, rows, slot, inputs)
+        if self.mode == "all_gather":  # (reduce="scatter" needs the two-stage form: refused above)
+            total, sent = coll.all_gather_sum(h, self.axis_name, self.cfg, key1)
+            mean_rows = total / m
+            slot = self._stored(e, h, sent, slot, inputs)
+        else:
+            chunk, sent = coll.reduce_scatter_rows(h, self.axis_name, self.cfg, key1)
+            slot = self._stored(e, h, sent, slot, inputs)
+            mean_rows, slot = self._second_stage(b, chunk / m, slot, inputs, axes)
+        mean_rows = self.cfg.rotate_out(mean_rows, b)
+        if self.fast_axis is not None:  # every fast device's shard of the mean, back to the whole bucket
+            mean_rows = coll.fast_gather(mean_rows, self.fast_axis)
+        return jax.tree.leaves(coll.unbucket(mean_rows, layout_)), slot
+
+    def slot_of(self, state, b):
+        """Bucket ``b``'s error buffers in ``state`` (None where this configuration keeps none)."""
+        def entry(field):
+            values = getattr(state, field)
+            return values[b] if b < len(values) else None
+        return tuple(entry(f) for f in SLOT_FIELDS)
+
+    def _exchange(self, leaves, dims, labels, state, inputs):
+        """Every bucket of the gradients, in order: the outputs per leaf and the new error buffers."""
+        m = coll.axis_size(self.axis_name)
+        flat, stack = self.layout([tuple(leaf.shape) for leaf in leaves], dims, labels, m)
+        axes = _device_axes(leaves, self.axis_name)  # noise independent wherever gradients differ (DiLoCo replicas too)
+        pieces = [[] for _ in leaves]
+        slots = []
+        previous = None
+        for b, (members, _) in enumerate(flat):
+            group = [leaves[i] if (a, z) == (0, leaves[i].shape[0] if leaves[i].ndim else 1) else leaves[i][a:z]
+                     for i, a, z in members]
+            if self.bucket_size is not None and previous is not None:
+                # one bucket at a time: its inputs are taken only once the previous bucket's result exists,
+                # so the fp32 working copies (conversions, transposes, rotations) of two buckets never coexist
+                group = _after(group, previous)
+            outs, slot = self.bucket(b, group, [dims[i] for i, _, _ in members] if self.scatter else None,
+                                self.slot_of(state, b), inputs, axes)
+            for (i, _, _), out in zip(members, outs):
+                pieces[i].append(out)
+            slots.append(slot)
+            previous = outs
+        out_leaves = [p[0] if len(p) == 1 else jnp.concatenate(p, axis=0) if p else None for p in pieces]
+        if stack is not None:
+            stacked, depth, _ = stack
+            base = len(flat)
+            layer_dims = [dims[i] - 1 for i in stacked] if self.scatter else None
+
+            def layer(_, xs):
+                layer_leaves, slot, index = xs
+                return None, self.bucket(base + index, layer_leaves, layer_dims, slot, inputs, axes)
+
+            _, (outs, slot) = lax.scan(layer, None, ([leaves[i] for i in stacked], self.slot_of(state, base),
+                                                     jnp.arange(depth, dtype=jnp.int32)))
+            for i, out in zip(stacked, outs):
+                out_leaves[i] = out
+            slots.append(slot)
+        return out_leaves, stored(slots)
+
+    def update(self, updates, state, params=None, *, exchanged=None, **extra):
+        del extra  # the arguments of other transformations in a chain
+        leaves, treedef = jax.tree.flatten(updates)
+        for leaf in leaves:
+            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                raise ValueError(
+                    f"loco.compress needs floating-point gradients, got dtype {leaf.dtype} (shape {leaf.shape})."
+                )
+        if self.axis_name is not None:
+            specs.require_axis(self.axis_name, "loco.compress")
+        if self.fast_axis is not None:
+            specs.require_axis(self.fast_axis, "loco.compress")
+        inputs = self.step_inputs(state)
+        if exchanged is None:
+            if self.axis_name is not None:
+                _check_grads_vary(leaves, self.axis_name)
+            if self.fast_axis is not None:
+                _check_grads_vary(leaves, self.fast_axis)
+            m = coll.axis_size(self.axis_name)
+            dims = self._dims(treedef, leaves, params, m) if self.scatter else None
+            out_leaves, new = self._exchange(leaves, dims, self.labels_of(treedef, len(leaves)), state, inputs)
+        else:  # exchanged in the backward pass (loco_jax.backward): the updates are the means already
+            out_leaves = leaves
+            new = {f: getattr(exchanged, f) for f in SLOT_FIELDS if getattr(exchanged, f)}
+        # A NaN or Inf anywhere in any device's gradient reaches some device's output (sums and decoded blocks
+        # propagate it), so the outputs decide: with reduce="scatter" a pass over shards, not full gradients.
+        ok = global_all_finite(out_leaves)
+        fill = 0.0 if self.nonfinite == "skip" else jnp.nan
+        out_leaves = [jnp.where(ok, o, jnp.asarray(fill, o.dtype)) for o in out_leaves]
+        candidate = state._replace(count=inputs.t, key=jax.random.key_data(inputs.next_key), **new)
+        new_state = _select(ok, candidate, state)._replace(skipped=state.skipped + (~ok).astype(jnp.int32))
+        return jax.tree.unflatten(treedef, out_leaves), new_state
+
+
 def _build(
     bits=4, *, beta=None, reset_every=1024, error_bits=8, block_size=quant.DEFAULT_BLOCK_SIZE, format=None,
     rotate=None, axis_name="data", compensate=None, reduce="mean", mode="two_stage", compensate_second_stage=None,
@@ -537,290 +845,15 @@ def _build(
             )
     if shard_dims is not None and reduce != "scatter":
         raise ValueError(f"shard_dims is for reduce='scatter' (FSDP); reduce={reduce!r} returns full-shape means.")
-    quantized = bits is not None
-    keep_error = quantized and compensate
-    cfg = coll.QuantConfig(bits or 8, block_size, format, rotate, seed)
-    scatter = reduce == "scatter"
-
-    def layout(shapes, dims, labels, m):
-        """:func:`bucket_layout` with this transformation's settings (``m``: devices on ``axis_name``)."""
-        fast_size = coll.axis_size(fast_axis) if fast_axis is not None else None
-        return bucket_layout(shapes, dims, labels, m, block_size=block_size, bucket_size=bucket_size,
-                             scatter=scatter, fast_size=fast_size)
-
-    labels_of = functools.partial(bucket_labels, groups)
-
-    def _init_dims(params):
-        if not scatter or shard_dims is None:
-            return [0] * len(jax.tree.leaves(params))
-        return [int(d) for d in jax.tree.leaves(shard_dims)]
-
-    def init_fn(params):
-        if axis_name is not None:
-            specs.require_axis(axis_name, "loco.compress")
-        if fast_axis is not None:
-            specs.require_axis(fast_axis, "loco.compress")
-        count = jnp.zeros((), jnp.int32)
-        key = jax.random.key_data(jax.random.PRNGKey(seed))
-        if not keep_error:
-            return CompressState(count, count, key)
-        m = coll.axis_size(axis_name)
-        leaves, treedef = jax.tree.flatten(params)
-        # The error buffers vary as the gradients will: over axis_name and over every axis the
-        # parameters vary over (e.g. DiLoCo's replica axis), so the updates keep the parameters' type.
-        device_axes = _device_axes(leaves, axis_name)
-        if fast_axis is not None:  # hierarchical: each fast device keeps the errors of its own shard
-            device_axes = tuple(a for a in specs.manual_axes() if a in device_axes or a == fast_axis)
-
-        def zeros(shape, depth=None):
-            values, scales = quant.stored_zeros(shape, error_bits, block_size=block_size)
-            if depth is not None:
-                values, scales = jax.tree.map(lambda x: jnp.broadcast_to(x, (depth,) + x.shape), (values, scales))
-            return jax.tree.map(lambda x: specs.to_varying(x, device_axes), (values, scales))
-
-        dims = _init_dims(params)
-        shapes = [tuple(leaf.shape) for leaf in leaves]
-        if scatter:  # init receives shards: the full gradients are m times bigger on their shard dimension
-            shapes = [tuple(n * m if k == d else n for k, n in enumerate(s)) for s, d in zip(shapes, dims)]
-        flat, stack = layout(shapes, dims, labels_of(treedef, len(leaves)), m)
-        buffers = [(cols, None) for _, cols in flat] + ([(stack[2], stack[1])] if stack else [])
-        error, error_scale, error2, error2_scale = [], [], [], []
-        for cols, depth in buffers:
-            values, scales = zeros((m, cols), depth)
-            error.append(values)
-            error_scale.append(scales)
-            if compensate_second_stage:
-                values, scales = zeros((1, cols), depth)
-                error2.append(values)
-                error2_scale.append(scales)
-        return CompressState(count, count, key, tuple(error), tuple(error_scale), tuple(error2), tuple(error2_scale))
-
-    def _dims(treedef, leaves, params, m):
-        """Per leaf, the dimension its shard is cut on (scatter), checked against the gradients and params."""
-        if shard_dims is None:
-            dims = [0] * len(leaves)
-        else:
-            dims_leaves, dims_def = jax.tree.flatten(shard_dims)
-            if dims_def != treedef:
-                raise ValueError(
-                    f"loco.compress: shard_dims has structure {dims_def}, but the gradients have {treedef}; give one "
-                    "int per gradient leaf."
-                )
-            dims = [int(d) for d in dims_leaves]
-        param_leaves = None if params is None else jax.tree.leaves(params)
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, leaves))[0]]
-        for i, (leaf, dim) in enumerate(zip(leaves, dims)):
-            if leaf.ndim == 0 or not 0 <= dim < leaf.ndim or leaf.shape[dim] % m:
-                raise ValueError(
-                    f"loco.compress(reduce='scatter'): gradient {paths[i]} of shape {leaf.shape} is sharded on dim "
-                    f"{dim} over {m} devices of {axis_name!r}; that dimension must exist and be a multiple of {m}."
-                )
-            want = coll.shard_shape(leaf.shape, dim, m)
-            if param_leaves is not None and tuple(param_leaves[i].shape) != want:
-                raise ValueError(
-                    f"loco.compress(reduce='scatter'): parameter {paths[i]} has shape {param_leaves[i].shape}, but the "
-                    f"gradient {leaf.shape} sharded on dim {dim} over {m} devices gives {want}; pass the shard-shaped "
-                    "parameters and the shard_dims they were cut with."
-                )
-        return dims
-
-    def _out_dtype(dtype):
-        # a reduced shard feeds the optimizer of fp32 parameters: never narrower than fp32
-        return jnp.promote_types(dtype, jnp.float32) if scatter else dtype
-
-    def _exact(leaves, m, dims):
-        out = []
-        for i, leaf in enumerate(leaves):
-            g = leaf.astype(jnp.float32)
-            if axis_name is not None:
-                mean_axes = axis_name if fast_axis is None else (axis_name, fast_axis)
-                g = (lax.psum_scatter(g, axis_name, scatter_dimension=dims[i], tiled=True) / m if scatter
-                     else lax.pmean(g, mean_axes))
-            out.append(g.astype(_out_dtype(leaf.dtype)))
-        return out
-
-    def step_inputs(state) -> StepInputs:
-        """What one update needs besides the gradients: ``t``, whether the errors reset, the step's rounding key."""
-        t = state.count + 1
-        reset = jnp.array(False) if reset_every is None else (t % reset_every == 0)
-        step_key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
-        return StepInputs(t, reset, step_key, next_key)
-
-    def _compensated(b, rows, slot, inputs):
-        """``(h, e)``: the rows rotated (identity unless rotate; errors live in this domain) plus the stored
-        stage-1 error (zero on a reset step; ``e`` None where none is kept)."""
-        rows = cfg.rotate_in(rows, b)
-        if not keep_error:
-            return rows, None
-        e = jnp.where(inputs.reset, 0.0, quant.load(slot[0], slot[1], error_bits, block_size=block_size))
-        return rows + e, e
-
-    def _stored(e, h, sent, slot, inputs):
-        """The slot with its new stage-1 error: the moving average of the compression errors ``h - sent``."""
-        if not keep_error:
-            return slot
-        values, scales = error_feedback(e, h, sent, beta=beta, error_bits=error_bits, block_size=block_size,
-                                        never=inputs.t < 0)
-        return (values, scales) + tuple(slot[2:])
-
-    def pipelined():
-        """True where a bucket's step splits at its all-to-all (:func:`send`, the collective, :func:`receive`):
-        the two-stage all-reduce or the reduce-scatter, without a fast axis."""
-        return quantized and mode == "two_stage" and fast_axis is None
-
-    def send(b, leaves, dims, slot, inputs, axes):
-        """Stage one up to its all-to-all: ``(payload, layout, slot)``, the ``uint8`` payload of the compensated
-        rows (row ``j`` goes to device ``j``), the bucket layout, and the slot with its new stage-1 error."""
-        rows, layout_ = coll.make_bucket(leaves, coll.axis_size(axis_name), block_size, scatter=scatter, dims=dims)
-        key1 = coll.device_key(inputs.key, axes, 2 * b) if stochastic_rounding else None
-        h, e = _compensated(b, rows, slot, inputs)
-        payload = cfg.encode(h, key1)
-        return payload, layout_, _stored(e, h, cfg.decode(payload, h.shape[1]), slot, inputs)
-
-    def exchange(payload):
-        """The all-to-all of a :func:`send` payload (nothing without an axis)."""
-        return payload if axis_name is None else lax.all_to_all(payload, axis_name, 0, 0, tiled=True)
-
-    def receive(b, received, layout_, slot, inputs, axes):
-        """The rest of the step from the received payloads: ``(outputs, slot)``: this device's chunk of the
-        sum, then its shard (scatter) or the second stage (the all-gather of the re-quantized chunks)."""
-        m = coll.axis_size(axis_name)
-        chunk = cfg.decode(received, layout_.cols).sum(axis=0) / m
-        if scatter:
-            shard = coll.unbucket_shard(cfg.rotate_out(chunk[None], b)[0], layout_)
-            return [leaf.astype(_out_dtype(d)) for d, leaf in zip(layout_.dtypes, jax.tree.leaves(shard))], slot
-        mean_rows, slot = _second_stage(b, chunk, slot, inputs, axes)
-        return jax.tree.leaves(coll.unbucket(cfg.rotate_out(mean_rows, b), layout_)), slot
-
-    def _second_stage(b, chunk, slot, inputs, axes):
-        """``(mean rows, slot)``: this device's chunk of the mean re-quantized (compensated with the
-        second-stage error where kept) and all-gathered."""
-        key2 = coll.device_key(inputs.key, axes, 2 * b + 1) if stochastic_rounding else None
-        if not compensate_second_stage:
-            return coll.all_gather_chunk(chunk, axis_name, cfg, key2)[0], slot
-        e2 = jnp.where(inputs.reset, 0.0, quant.load(slot[2], slot[3], error_bits, block_size=block_size))
-        h2 = chunk[None] + e2
-        mean_rows, sent2 = coll.all_gather_chunk(h2[0], axis_name, cfg, key2)
-        values, scales = error_feedback(e2, h2, sent2[None], beta=beta, error_bits=error_bits,
-                                        block_size=block_size, never=inputs.t < 0)
-        return mean_rows, tuple(slot[:2]) + (values, scales)
-
-    def bucket(b, leaves, dims, slot, inputs, axes):
-        """One bucket's LoCo step: ``(outputs, new slot)``.
-
-        ``leaves``: full local gradients (any float dtype); ``dims``: their shard dimensions (scatter);
-        ``slot``: the bucket's ``(error, error_scale, error2, error2_scale)`` (None where not kept); ``b``:
-        the bucket's number (a traced int for the layers of a stack); ``axes``: the axes whose devices
-        draw independent rounding noise. Outputs: the mean (``reduce="mean"``) or this device's shard of it.
-        """
-        m = coll.axis_size(axis_name)
-        if not quantized:
-            return _exact(leaves, m, dims), slot
-        if pipelined():
-            payload, layout_, slot = send(b, leaves, dims, slot, inputs, axes)
-            return receive(b, exchange(payload), layout_, slot, inputs, axes)
-        # the all-gather form, or hierarchical: exact over the fast axis first, this device's 1/D shard as (m, cols)
-        if fast_axis is None:
-            rows, layout_ = coll.make_bucket(leaves, m, block_size, scatter=scatter, dims=dims)
-        else:
-            rows, layout_ = coll.fast_shard(leaves, fast_axis, m, block_size, mean=True)
-        key1 = coll.device_key(inputs.key, axes, 2 * b) if stochastic_rounding else None
-        h, e = _compensated(b, rows, slot, inputs)
-        if mode == "all_gather":  # (reduce="scatter" needs the two-stage form: refused above)
-            total, sent = coll.all_gather_sum(h, axis_name, cfg, key1)
-            mean_rows = total / m
-            slot = _stored(e, h, sent, slot, inputs)
-        else:
-            chunk, sent = coll.reduce_scatter_rows(h, axis_name, cfg, key1)
-            slot = _stored(e, h, sent, slot, inputs)
-            mean_rows, slot = _second_stage(b, chunk / m, slot, inputs, axes)
-        mean_rows = cfg.rotate_out(mean_rows, b)
-        if fast_axis is not None:  # every fast device's shard of the mean, back to the whole bucket
-            mean_rows = coll.fast_gather(mean_rows, fast_axis)
-        return jax.tree.leaves(coll.unbucket(mean_rows, layout_)), slot
-
-    def slot_of(state, b):
-        """Bucket ``b``'s error buffers in ``state`` (None where this configuration keeps none)."""
-        def entry(field):
-            values = getattr(state, field)
-            return values[b] if b < len(values) else None
-        return tuple(entry(f) for f in SLOT_FIELDS)
-
-    def _exchange(leaves, dims, labels, state, inputs):
-        """Every bucket of the gradients, in order: the outputs per leaf and the new error buffers."""
-        m = coll.axis_size(axis_name)
-        flat, stack = layout([tuple(leaf.shape) for leaf in leaves], dims, labels, m)
-        axes = _device_axes(leaves, axis_name)  # noise independent wherever gradients differ (DiLoCo replicas too)
-        pieces = [[] for _ in leaves]
-        slots = []
-        previous = None
-        for b, (members, _) in enumerate(flat):
-            group = [leaves[i] if (a, z) == (0, leaves[i].shape[0] if leaves[i].ndim else 1) else leaves[i][a:z]
-                     for i, a, z in members]
-            if bucket_size is not None and previous is not None:
-                # one bucket at a time: its inputs are taken only once the previous bucket's result exists,
-                # so the fp32 working copies (conversions, transposes, rotations) of two buckets never coexist
-                group = _after(group, previous)
-            outs, slot = bucket(b, group, [dims[i] for i, _, _ in members] if scatter else None,
-                                slot_of(state, b), inputs, axes)
-            for (i, _, _), out in zip(members, outs):
-                pieces[i].append(out)
-            slots.append(slot)
-            previous = outs
-        out_leaves = [p[0] if len(p) == 1 else jnp.concatenate(p, axis=0) if p else None for p in pieces]
-        if stack is not None:
-            stacked, depth, _ = stack
-            base = len(flat)
-            layer_dims = [dims[i] - 1 for i in stacked] if scatter else None
-
-            def layer(_, xs):
-                layer_leaves, slot, index = xs
-                return None, bucket(base + index, layer_leaves, layer_dims, slot, inputs, axes)
-
-            _, (outs, slot) = lax.scan(layer, None, ([leaves[i] for i in stacked], slot_of(state, base),
-                                                     jnp.arange(depth, dtype=jnp.int32)))
-            for i, out in zip(stacked, outs):
-                out_leaves[i] = out
-            slots.append(slot)
-        return out_leaves, stored(slots)
-
-    def update_fn(updates, state, params=None, *, exchanged=None, **extra):
-        del extra  # the arguments of other transformations in a chain
-        leaves, treedef = jax.tree.flatten(updates)
-        for leaf in leaves:
-            if not jnp.issubdtype(leaf.dtype, jnp.floating):
-                raise ValueError(
-                    f"loco.compress needs floating-point gradients, got dtype {leaf.dtype} (shape {leaf.shape})."
-                )
-        if axis_name is not None:
-            specs.require_axis(axis_name, "loco.compress")
-        if fast_axis is not None:
-            specs.require_axis(fast_axis, "loco.compress")
-        inputs = step_inputs(state)
-        if exchanged is None:
-            if axis_name is not None:
-                _check_grads_vary(leaves, axis_name)
-            if fast_axis is not None:
-                _check_grads_vary(leaves, fast_axis)
-            m = coll.axis_size(axis_name)
-            dims = _dims(treedef, leaves, params, m) if scatter else None
-            out_leaves, new = _exchange(leaves, dims, labels_of(treedef, len(leaves)), state, inputs)
-        else:  # exchanged in the backward pass (loco_jax.backward): the updates are the means already
-            out_leaves = leaves
-            new = {f: getattr(exchanged, f) for f in SLOT_FIELDS if getattr(exchanged, f)}
-        # A NaN or Inf anywhere in any device's gradient reaches some device's output (sums and decoded blocks
-        # propagate it), so the outputs decide: with reduce="scatter" a pass over shards, not full gradients.
-        ok = global_all_finite(out_leaves)
-        fill = 0.0 if nonfinite == "skip" else jnp.nan
-        out_leaves = [jnp.where(ok, o, jnp.asarray(fill, o.dtype)) for o in out_leaves]
-        candidate = state._replace(count=inputs.t, key=jax.random.key_data(inputs.next_key), **new)
-        new_state = _select(ok, candidate, state)._replace(skipped=state.skipped + (~ok).astype(jnp.int32))
-        return jax.tree.unflatten(treedef, out_leaves), new_state
-
+    step = BucketStep(axis_name, fast_axis, reduce == "scatter", block_size, bucket_size, stochastic_rounding,
+                      coll.QuantConfig(bits or 8, block_size, format, rotate, seed), bits is not None,
+                      bits is not None and compensate, error_bits, beta, compensate_second_stage, mode, reset_every,
+                      shard_dims, nonfinite, groups, seed)
     return Exchanger(
-        transformation=optax.GradientTransformationExtraArgs(init_fn, update_fn), layout=layout, bucket=bucket,
-        pipelined=pipelined(), send=send, exchange=exchange, receive=receive,
-        step_inputs=step_inputs, slot_of=slot_of, labels_of=labels_of, error_bits=error_bits, axis_name=axis_name,
+        transformation=optax.GradientTransformationExtraArgs(step.init, step.update), layout=step.layout,
+        bucket=step.bucket, pipelined=step.pipelined(), send=step.send, exchange=step.exchange, receive=step.receive,
+        step_inputs=step.step_inputs, slot_of=step.slot_of, labels_of=step.labels_of, error_bits=error_bits,
+        axis_name=axis_name,
     )
 
 

@@ -309,6 +309,119 @@ def _sample(files, text_field, eval_every, sample_chars, total_bytes, on_bytes) 
     return out
 
 
+def _check_prepare_args(tokenizer, vocab_size, sp_model, eval_every, eval_tail, shard_tokens) -> str:
+    """The tokenizer kind (``"byte"`` or ``"sentencepiece"``) once every argument of :func:`prepare` that
+    needs no file is checked; raises naming the bad value."""
+    kind = tokenizer.lower()
+    if kind in ("spm", "bpe"):
+        kind = "sentencepiece"
+    if kind not in ("byte", "sentencepiece"):
+        raise ValueError(f"tokenizer={tokenizer!r} must be 'byte' or 'sentencepiece'.")
+    if kind == "byte" and (sp_model is not None):
+        raise ValueError("sp_model is a SentencePiece model; it needs tokenizer='sentencepiece'.")
+    if kind == "sentencepiece" and sp_model is None and not vocab_size:
+        raise ValueError("a SentencePiece tokenizer needs vocab_size (to train one) or sp_model (an existing one).")
+    if not isinstance(eval_every, int) or eval_every < 2:
+        raise ValueError(f"eval_every={eval_every!r} must be an integer >= 2 (every eval_every-th document is held "
+                         "out).")
+    if not 0 < eval_tail < 1:
+        raise ValueError(f"eval_tail={eval_tail!r} must lie in (0, 1).")
+    if shard_tokens < 1024:
+        raise ValueError(f"shard_tokens={shard_tokens} must be at least 1024.")
+    return kind
+
+
+def _check_output(files, out: Path, overwrite: bool):
+    """Refuses an output that exists (unless ``overwrite``, or an empty directory), is a file, or holds an input."""
+    if out.exists() and not overwrite and not (out.is_dir() and not any(out.iterdir())):
+        raise FileExistsError(f"output {out} already exists; pass --overwrite to replace it, or choose another "
+                              "--output.")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {out} is a file, not a directory; choose another --output.")
+    for f in files:
+        if out.resolve() in f.resolve().parents:
+            raise ValueError(f"input {f} lies inside the output directory {out}; choose an --output outside the input.")
+
+
+def _describe(files) -> str:
+    return f"the inputs ({', '.join(map(str, files[:3]))}{', ...' if len(files) > 3 else ''})"
+
+
+def _tokenizer(kind, files, *, vocab_size, sp_model, sample_chars, text_field, eval_every, on_bytes, log):
+    """``(tokenizer, model proto or None, sample)``: bytes, a SentencePiece model loaded from ``sp_model``, or
+    one trained on ``sample_chars`` characters of the training documents (``sample``: the texts it saw)."""
+    if kind == "byte":
+        return ByteTokenizer(), None, []
+    if sp_model is not None:
+        tok = SentencePieceTokenizer.load(Path(sp_model).expanduser())
+        if vocab_size and vocab_size != tok.vocab_size:
+            raise ValueError(f"SentencePiece model {sp_model} has a vocabulary of {tok.vocab_size}, not the "
+                             f"{vocab_size} asked for; drop --vocab-size or pass --vocab-size {tok.vocab_size}.")
+        return tok, tok.proto, []
+    total_bytes = sum(f.stat().st_size for f in files)
+    sample = _sample(files, text_field, eval_every, sample_chars, total_bytes, on_bytes)
+    if not sample:
+        raise ValueError(f"{_describe(files)} hold no training text to train a tokenizer on.")
+    t0 = time.perf_counter()
+    chars = sum(map(len, sample))
+    log(f"training a {vocab_size}-piece SentencePiece BPE model on {chars:,} characters ({len(sample):,} pieces) ...")
+    try:
+        tok = SentencePieceTokenizer.train(sample, int(vocab_size))
+    except RuntimeError as e:  # SentencePiece's own refusal, e.g. a vocabulary too large for the text
+        raise ValueError(
+            f"SentencePiece could not train a {vocab_size}-piece model on {chars:,} characters "
+            f"({str(e).split('] ')[-1]}); pass a smaller --vocab-size or more text (--sample-chars)."
+        ) from e
+    log(f"trained in {time.perf_counter() - t0:.1f} s")
+    return tok, tok.proto, sample
+
+
+def _encode_and_write(tmp, files, tok, dtype, *, shard_tokens, eval_every, text_field, piece_chars, threads,
+                      on_bytes, report):
+    """One pass over the inputs: each document's pieces encoded in batches of characters and written to the
+    train or eval shards, documents of a split joined by the separator's tokens. Returns ``(train shards,
+    eval shards, documents per split, train tokens)``; ``report(tokens, shards)`` after each batch."""
+    writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
+    docs = {s: 0 for s in SPLITS}
+    sep = np.asarray(tok.encode(WORK_SEPARATOR))
+    encode = _Encoder(tok, threads)
+
+    def flush(batch):
+        for (doc, first, _), ids in zip(batch, encode([(f, t) for _, f, t in batch])):
+            split = "eval" if _is_eval(doc, eval_every) else "train"
+            if first:
+                if docs[split]:
+                    writers[split].write(sep)
+                docs[split] += 1
+            writers[split].write(ids)
+        report(writers["train"].tokens + writers["eval"].tokens, sum(len(w.entries) for w in writers.values()))
+
+    batch, chars = [], 0
+    for item in iter_pieces(files, text_field=text_field, piece_chars=piece_chars, on_bytes=on_bytes):
+        batch.append(item)
+        chars += len(item[2])
+        if chars >= _BATCH_CHARS:
+            flush(batch)
+            batch, chars = [], 0
+    if batch:
+        flush(batch)
+    n_train, n_eval = writers["train"].tokens, writers["eval"].tokens
+    train, held = writers["train"].close(), writers["eval"].close()
+    report(n_train + n_eval, len(train) + len(held))
+    return train, held, docs, n_train
+
+
+def _move_into_place(tmp: Path, out: Path):
+    """``tmp`` renamed to ``out`` (an existing ``out`` moved aside first and removed after)."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
 def prepare(
     inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *, tokenizer: str = "sentencepiece",
     vocab_size: int | None = None, sp_model: str | os.PathLike | None = None,
@@ -330,32 +443,10 @@ def prepare(
     in the manifest (error messages quote it).
     """
     t_start = time.perf_counter()
-    kind = tokenizer.lower()
-    if kind in ("spm", "bpe"):
-        kind = "sentencepiece"
-    if kind not in ("byte", "sentencepiece"):
-        raise ValueError(f"tokenizer={tokenizer!r} must be 'byte' or 'sentencepiece'.")
-    if kind == "byte" and (sp_model is not None):
-        raise ValueError("sp_model is a SentencePiece model; it needs tokenizer='sentencepiece'.")
-    if kind == "sentencepiece" and sp_model is None and not vocab_size:
-        raise ValueError("a SentencePiece tokenizer needs vocab_size (to train one) or sp_model (an existing one).")
-    if not isinstance(eval_every, int) or eval_every < 2:
-        raise ValueError(f"eval_every={eval_every!r} must be an integer >= 2 (every eval_every-th document is held "
-                         "out).")
-    if not 0 < eval_tail < 1:
-        raise ValueError(f"eval_tail={eval_tail!r} must lie in (0, 1).")
-    if shard_tokens < 1024:
-        raise ValueError(f"shard_tokens={shard_tokens} must be at least 1024.")
+    kind = _check_prepare_args(tokenizer, vocab_size, sp_model, eval_every, eval_tail, shard_tokens)
     files = find_inputs(inputs)
     out = Path(output).expanduser()
-    if out.exists() and not overwrite and not (out.is_dir() and not any(out.iterdir())):
-        raise FileExistsError(f"output {out} already exists; pass --overwrite to replace it, or choose another "
-                              "--output.")
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output {out} is a file, not a directory; choose another --output.")
-    for f in files:
-        if out.resolve() in f.resolve().parents:
-            raise ValueError(f"input {f} lies inside the output directory {out}; choose an --output outside the input.")
+    _check_output(files, out, overwrite)
     total_bytes = sum(f.stat().st_size for f in files)
     progress = progress or (lambda *a, **k: None)
     log(f"{len(files)} input file(s), {total_bytes / 1e6:,.1f} MB -> {out} ({kind} tokenizer)")
@@ -365,7 +456,6 @@ def prepare(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        # ---- the tokenizer
         done = [0]
 
         def counter(phase):
@@ -374,33 +464,11 @@ def prepare(
                 progress(phase, done[0], total_bytes)
             return on_bytes
 
-        sample: list[str] = []
-        if kind == "byte":
-            tok, proto = ByteTokenizer(), None
-        elif sp_model is not None:
-            tok = SentencePieceTokenizer.load(Path(sp_model).expanduser())
-            proto = tok.proto
-            if vocab_size and vocab_size != tok.vocab_size:
-                raise ValueError(f"SentencePiece model {sp_model} has a vocabulary of {tok.vocab_size}, not the "
-                                 f"{vocab_size} asked for; drop --vocab-size or pass --vocab-size {tok.vocab_size}.")
-        else:
-            sample = _sample(files, text_field, eval_every, sample_chars, total_bytes, counter("sampling"))
+        tok, proto, sample = _tokenizer(kind, files, vocab_size=vocab_size, sp_model=sp_model,
+                                        sample_chars=sample_chars, text_field=text_field, eval_every=eval_every,
+                                        on_bytes=counter("sampling"), log=log)
+        if sample:
             progress("sampling", done[0], total_bytes, final=True)
-            if not sample:
-                raise ValueError(f"the inputs ({', '.join(map(str, files[:3]))}{', ...' if len(files) > 3 else ''}) "
-                                 "hold no training text to train a tokenizer on.")
-            t0 = time.perf_counter()
-            log(f"training a {vocab_size}-piece SentencePiece BPE model on {sum(map(len, sample)):,} characters "
-                f"({len(sample):,} pieces) ...")
-            try:
-                tok = SentencePieceTokenizer.train(sample, int(vocab_size))
-            except RuntimeError as e:  # SentencePiece's own refusal, e.g. a vocabulary too large for the text
-                raise ValueError(
-                    f"SentencePiece could not train a {vocab_size}-piece model on {sum(map(len, sample)):,} characters "
-                    f"({str(e).split('] ')[-1]}); pass a smaller --vocab-size or more text (--sample-chars)."
-                ) from e
-            proto = tok.proto
-            log(f"trained in {time.perf_counter() - t0:.1f} s")
         if proto is not None:
             (tmp / TOKENIZER_FILE).write_bytes(proto)
         vocab = int(tok.vocab_size)
@@ -412,47 +480,17 @@ def prepare(
                 log("note: this SentencePiece model does not split at newlines; documents are encoded whole")
                 piece_chars = None
 
-        # ---- pass over the input: encode and write
         t_encode = time.perf_counter()
         done[0] = 0
-        writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
-        docs = {s: 0 for s in SPLITS}
-        sep = np.asarray(tok.encode(WORK_SEPARATOR))
-        encode = _Encoder(tok, threads)
-
-        def shards_done():
-            return sum(len(w.entries) for w in writers.values())
-
-        def flush(batch):
-            for (doc, first, _), ids in zip(batch, encode([(f, t) for _, f, t in batch])):
-                split = "eval" if _is_eval(doc, eval_every) else "train"
-                if first:
-                    if docs[split]:
-                        writers[split].write(sep)
-                    docs[split] += 1
-                writers[split].write(ids)
-            progress("tokenizing", done[0], total_bytes, writers["train"].tokens + writers["eval"].tokens,
-                     shards_done())
-
-        on_bytes = counter("tokenizing")
-        batch, chars = [], 0
-        for item in iter_pieces(files, text_field=text_field, piece_chars=piece_chars, on_bytes=on_bytes):
-            batch.append(item)
-            chars += len(item[2])
-            if chars >= _BATCH_CHARS:
-                flush(batch)
-                batch, chars = [], 0
-        if batch:
-            flush(batch)
-        train, held = writers["train"].close(), writers["eval"].close()
-        n_train = writers["train"].tokens
-        progress("tokenizing", total_bytes, total_bytes, n_train + writers["eval"].tokens, shards_done(), final=True)
+        train, held, docs, n_train = _encode_and_write(
+            tmp, files, tok, dtype, shard_tokens=shard_tokens, eval_every=eval_every, text_field=text_field,
+            piece_chars=piece_chars, threads=threads, on_bytes=counter("tokenizing"),
+            report=lambda tokens, shards: progress("tokenizing", done[0], total_bytes, tokens, shards))
+        progress("tokenizing", total_bytes, total_bytes, n_train + sum(e["tokens"] for e in held),
+                 len(train) + len(held), final=True)
         if not train:
-            raise ValueError(f"the inputs ({', '.join(map(str, files[:3]))}{', ...' if len(files) > 3 else ''}) hold "
-                             "no text (every document is empty or held out).")
-        tail = 0
-        if not held:
-            tail = tail_tokens(n_train, eval_tail)
+            raise ValueError(f"{_describe(files)} hold no text (every document is empty or held out).")
+        tail = 0 if held else tail_tokens(n_train, eval_tail)
         seconds = time.perf_counter() - t_encode
         source = {
             "inputs": [str(f) for f in files], "input_bytes": total_bytes, "text_field": text_field,
@@ -461,15 +499,9 @@ def prepare(
             "command": command, "seconds": round(seconds, 3),
         }
         manifest = build_manifest(dtype, tokenizer_entry(kind, vocab, proto), train, held, tail,
-                             {"train": docs["train"], "eval": docs["eval"]}, source)
+                                  {"train": docs["train"], "eval": docs["eval"]}, source)
         write_manifest(tmp, manifest)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

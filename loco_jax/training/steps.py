@@ -255,6 +255,118 @@ def eval_loss(mcfg, params, inputs, targets, shard_dims=None):
     return model_lib.loss_fn(mcfg, full, inputs, targets)
 
 
+class _Buckets(NamedTuple):
+    """The parameter tree as the in-backward exchange sees it: its leaves, their bucket groups outside the
+    stack (``members_of[b]``: the leaves of bucket ``b``) and the stack's leaves, with the shard dimensions
+    and full shapes FSDP needs."""
+
+    leaves: list
+    treedef: Any
+    dims: list
+    full_shapes: list
+    flat: list
+    stack: tuple
+    scatter: bool
+    cdtype: Any
+    axes: tuple
+    layer_dims: Any
+    layer_tree: Any
+
+    @property
+    def members_of(self):
+        return [[i for i, _, _ in members] for members, _ in self.flat]
+
+    @property
+    def dims_of(self):
+        return [[self.dims[i] for i in idx] if self.scatter else None for idx in self.members_of]
+
+    def gathered(self, xs, xdims):
+        """A group's (or a layer's) full parameters for the model: cast to varying, or all-gathered (FSDP)."""
+        if not self.scatter:
+            return _varying(xs, self.axes)
+        return _varying(fsdp.gather(xs, xdims, "data", dtype=self.cdtype), self.axes)
+
+    def stack_part(self, tree_leaves):
+        """The stack's entries of a per-leaf list, as the stack's tree."""
+        return jax.tree.unflatten(self.layer_tree, [tree_leaves[i] for i in self.stack[0]])
+
+
+def _in_backward_buckets(mcfg, ex: loco.Exchanger, params, shard_dims) -> _Buckets:
+    leaves, treedef = jax.tree.flatten(params)
+    labels = ex.labels_of(treedef, len(leaves))
+    if any(label is None for label in labels):
+        raise ValueError("the in-backward exchange needs every parameter in a bucket group (loco.compress(groups=)).")
+    if "layers" not in params or not mcfg.scan_layers:
+        raise ValueError("the in-backward exchange runs in a scanned stack's backward loop: it needs "
+                         "model.scan_layers=True.")
+    n = lax.axis_size("data")
+    dims = jax.tree.leaves(shard_dims) if shard_dims is not None else [0] * len(leaves)
+    full_shapes = [_full_shape(x.shape, d, n) if shard_dims is not None else tuple(x.shape)
+                   for x, d in zip(leaves, dims)]
+    flat, stack = ex.layout(full_shapes, dims, labels, n)
+    scatter = shard_dims is not None
+    layer_dims = jax.tree.map(lambda d: d - 1, shard_dims["layers"]) if scatter else None
+    return _Buckets(leaves, treedef, dims, full_shapes, flat, stack, scatter, mcfg.cdtype, _data_axes(), layer_dims,
+                    jax.tree.structure(params["layers"]))
+
+
+def _earlier_micro_batches(mcfg, bk: _Buckets, xs, ys):
+    """The first ``n - 1`` micro-batches: ``(loss sum, fp32 gradient sums)``, each bucket's gradient added as
+    the backward pass produces it (:func:`loco_jax.backward.accumulate_group` and
+    :func:`~loco_jax.backward.accumulate_stack`), so no micro-batch's whole gradient exists at once."""
+    members_of, dims_of = bk.members_of, bk.dims_of
+
+    def summed(x, y, acc, first):
+        def loss(acc):
+            used = list(bk.leaves)
+            for b, idx in enumerate(members_of):
+                use = backward.accumulate_group(lambda xs, d=dims_of[b]: bk.gathered(xs, d), first)
+                for i, full in zip(idx, use([used[i] for i in idx], [acc[i] for i in idx])):
+                    used[i] = full
+
+            def stack_fn(layer, h, stack_params, consts):
+                run = backward.accumulate_stack(lambda p: bk.gathered(p, bk.layer_dims), layer, first,
+                                                remat=mcfg.remat)
+                return run(h, stack_params, bk.stack_part(acc), consts)
+
+            return model_lib.loss_fn(mcfg, jax.tree.unflatten(bk.treedef, used), x, y, stack_fn=stack_fn)
+
+        return jax.value_and_grad(loss)(acc)
+
+    # the sums vary over the data axes and over every axis the parameters vary over (DiLoCo's replica)
+    vary = set(bk.axes).union(*(specs.varying_axes(x) for x in bk.leaves))
+    zeros = [specs.to_varying(jnp.zeros(shape, jnp.float32), tuple(a for a in specs.manual_axes() if a in vary))
+             for shape in bk.full_shapes]
+    loss_sum, acc = summed(xs[0], ys[0], zeros, True)
+
+    def body(carry, xy):
+        loss_sum, acc = carry
+        value, acc = summed(*xy, acc, False)
+        return (loss_sum + value, acc), None
+
+    if len(xs) > 2:
+        (loss_sum, acc), _ = lax.scan(body, (loss_sum, acc), (xs[1:-1], ys[1:-1]))
+    return loss_sum, acc
+
+
+def _exchange_after_backward(ex, bk: _Buckets, local, acc, accum_steps, loco_state, step, after):
+    """The groups outside the stack (embedding, head), exchanged after the backward pass with the same bucket
+    step as ``compress``: ``(means per leaf index, their new slots, their gradients' square norms)``. XLA
+    does not overlap a collective with a loop that holds collectives, and XLA:CPU, which runs independent
+    collectives in no fixed order, would race them with the stack's: they follow ``after``."""
+    means, slots, squares, previous = {}, [], [], after
+    axes_of = loco._device_axes(local[0], ex.axis_name) if local else ()
+    for b, idx in enumerate(bk.members_of):
+        grads = backward._accumulate(local[b], None if acc is None else [acc[i] for i in idx], accum_steps)
+        grads = loco._after(grads, previous)  # XLA:CPU: one exchange at a time, after the stack's
+        outs, slot = ex.bucket(b, grads, bk.dims_of[b], ex.slot_of(loco_state, b), step, axes_of)
+        means.update(zip(idx, outs))
+        slots.append(slot)
+        squares.append(backward._square_norm(grads))
+        previous = outs
+    return means, slots, squares
+
+
 def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs, targets, accum_steps=1,
                             shard_dims=None):
     """Mean loss, the exchanged mean gradient, LoCo's candidate state and the local gradient's square norm,
@@ -270,89 +382,33 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
     ``candidate`` a :class:`loco_jax.loco.CompressState` holding the new error buffers (for
     ``update(..., exchanged=candidate)``, which decides and commits).
     """
-    axes = _data_axes()
-    leaves, treedef = jax.tree.flatten(params)
-    labels = ex.labels_of(treedef, len(leaves))
-    if any(label is None for label in labels):
-        raise ValueError("the in-backward exchange needs every parameter in a bucket group (loco.compress(groups=)).")
-    if "layers" not in params or not mcfg.scan_layers:
-        raise ValueError("the in-backward exchange runs in a scanned stack's backward loop: it needs "
-                         "model.scan_layers=True.")
-    n = lax.axis_size("data")
-    dims = jax.tree.leaves(shard_dims) if shard_dims is not None else [0] * len(leaves)
-    full_shapes = [_full_shape(x.shape, d, n) if shard_dims is not None else tuple(x.shape)
-                   for x, d in zip(leaves, dims)]
-    flat, stack = ex.layout(full_shapes, dims, labels, n)
-    scatter = shard_dims is not None
-
-    def gathered(xs, xdims):
-        """A group's (or a layer's) full parameters for the model: cast to varying, or all-gathered (FSDP)."""
-        if not scatter:
-            return _varying(xs, axes)
-        return _varying(fsdp.gather(xs, xdims, "data", dtype=mcfg.cdtype), axes)
-
-    members_of = [[i for i, _, _ in members] for members, _ in flat]
-    dims_of = [[dims[i] for i in idx] if scatter else None for idx in members_of]
-    layer_dims = jax.tree.map(lambda d: d - 1, shard_dims["layers"]) if scatter else None
-    layer_tree = jax.tree.structure(params["layers"])
-
-    def summed(x, y, acc, first):
-        """An earlier micro-batch: ``(loss, the fp32 sums with its gradient added)``, each bucket's gradient
-        added as the backward pass produces it (:func:`loco_jax.backward.accumulate_group` and
-        :func:`~loco_jax.backward.accumulate_stack`), so no micro-batch's whole gradient exists at once."""
-        def loss(acc):
-            used = list(leaves)
-            for b, idx in enumerate(members_of):
-                use = backward.accumulate_group(lambda xs, d=dims_of[b]: gathered(xs, d), first)
-                for i, full in zip(idx, use([used[i] for i in idx], [acc[i] for i in idx])):
-                    used[i] = full
-            def stack_fn(layer, h, stack_params, consts):
-                run = backward.accumulate_stack(lambda p: gathered(p, layer_dims), layer, first, remat=mcfg.remat)
-                return run(h, stack_params, jax.tree.unflatten(layer_tree, [acc[i] for i in stack[0]]), consts)
-
-            return model_lib.loss_fn(mcfg, jax.tree.unflatten(treedef, used), x, y, stack_fn=stack_fn)
-
-        return jax.value_and_grad(loss)(acc)
-
+    bk = _in_backward_buckets(mcfg, ex, params, shard_dims)
     loss_sum, acc = None, None
     if accum_steps > 1:
         xs, ys = (a.reshape((accum_steps, -1) + a.shape[1:]) for a in (inputs, targets))
-        # the sums vary over the data axes and over every axis the parameters vary over (DiLoCo's replica)
-        vary = set(axes).union(*(specs.varying_axes(x) for x in leaves))
-        zeros = [specs.to_varying(jnp.zeros(shape, jnp.float32), tuple(a for a in specs.manual_axes() if a in vary))
-                 for shape in full_shapes]
-        loss_sum, acc = summed(xs[0], ys[0], zeros, True)
-
-        def body(carry, xy):
-            loss_sum, acc = carry
-            value, acc = summed(*xy, acc, False)
-            return (loss_sum + value, acc), None
-
-        if accum_steps > 2:
-            (loss_sum, acc), _ = lax.scan(body, (loss_sum, acc), (xs[1:-1], ys[1:-1]))
+        loss_sum, acc = _earlier_micro_batches(mcfg, bk, xs, ys)
         inputs, targets = xs[-1], ys[-1]
     step = ex.step_inputs(loco_state)
 
-    # the groups outside the stack (embedding, head) take their whole local gradient from the backward pass
-    # and are exchanged after it: XLA does not overlap a collective with a loop that holds collectives, and
-    # on XLA:CPU, which runs independent collectives in no fixed order, they would race the stack's
-    prepared = [gathered([leaves[i] for i in idx], dims_of[b]) for b, idx in enumerate(members_of)]
-    base = len(flat)  # the stack's first bucket number: its error buffers travel as cotangents
+    # the groups outside the stack take their whole local gradient from the backward pass (prepared: their
+    # full parameters as the model uses them); the stack's error buffers travel as cotangents
+    prepared = [bk.gathered([bk.leaves[i] for i in idx], bk.dims_of[b]) for b, idx in enumerate(bk.members_of)]
+    base = len(bk.flat)  # the stack's first bucket number
     stack_view = backward.as_cotangent(ex.slot_of(loco_state, base))
-    stack_sq = specs.to_varying(jnp.zeros((stack[1],), jnp.float32), specs.manual_axes())
-    layer_acc = None if acc is None else jax.tree.unflatten(layer_tree, [acc[i] for i in stack[0]])
-    run_dims = [dims[i] - 1 for i in stack[0]] if scatter else None
+    stack_sq = specs.to_varying(jnp.zeros((bk.stack[1],), jnp.float32), specs.manual_axes())
+    layer_acc = None if acc is None else bk.stack_part(acc)
+    run_dims = [bk.dims[i] - 1 for i in bk.stack[0]] if bk.scatter else None
 
     def loss(stack_params, prepared, stack_view, stack_sq):
-        used = list(leaves)
-        for idx, fulls in zip(members_of, prepared):
+        used = list(bk.leaves)
+        for idx, fulls in zip(bk.members_of, prepared):
             for i, full in zip(idx, fulls):
                 used[i] = full
-        used = jax.tree.unflatten(treedef, used)
+        used = jax.tree.unflatten(bk.treedef, used)
         used["layers"] = stack_params
 
         def stack_fn(layer, x, stack_params, consts):
-            run = backward.stack(ex, base, lambda p: gathered(p, layer_dims), run_dims, accum_steps, layer,
+            run = backward.stack(ex, base, lambda p: bk.gathered(p, bk.layer_dims), run_dims, accum_steps, layer,
                                  remat=mcfg.remat)
             return run(x, stack_params, stack_view, stack_sq, layer_acc, step, consts)
 
@@ -362,22 +418,16 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
         params["layers"], prepared, stack_view, stack_sq)
     if loss_sum is not None:
         value = (loss_sum + value) / accum_steps
-    mean_leaves = [None] * len(leaves)
-    for i, mean in zip(stack[0], jax.tree.leaves(stack_means)):
+    mean_leaves = [None] * len(bk.leaves)
+    for i, mean in zip(bk.stack[0], jax.tree.leaves(stack_means)):
         mean_leaves[i] = mean
-    slots, squares, previous = [], [jnp.sum(stack_sq)], jax.tree.leaves(stack_means)
-    axes_of = loco._device_axes(local[0], ex.axis_name) if local else ()
-    for b, idx in enumerate(members_of):  # the same bucket step as compress's, after the backward pass
-        grads = backward._accumulate(local[b], None if acc is None else [acc[i] for i in idx], accum_steps)
-        grads = loco._after(grads, previous)  # XLA:CPU: one exchange at a time, after the stack's
-        outs, slot = ex.bucket(b, grads, dims_of[b], ex.slot_of(loco_state, b), step, axes_of)
-        for i, out in zip(idx, outs):
-            mean_leaves[i] = out
-        slots.append(slot)
-        squares.append(backward._square_norm(grads))
-        previous = outs
+    means, slots, squares = _exchange_after_backward(ex, bk, local, acc, accum_steps, loco_state, step,
+                                                     jax.tree.leaves(stack_means))
+    for i, mean in means.items():
+        mean_leaves[i] = mean
     slots.append(backward.from_views(ex, stack_view))
-    return value, jax.tree.unflatten(treedef, mean_leaves), loco_state._replace(**loco.stored(slots)), sum(squares)
+    grad_sq = sum([jnp.sum(stack_sq)] + squares)  # the stack's first: the order the sum was always taken in
+    return value, jax.tree.unflatten(bk.treedef, mean_leaves), loco_state._replace(**loco.stored(slots)), grad_sq
 
 
 def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shard_dims=None, accum_steps=1,

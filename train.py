@@ -124,7 +124,6 @@ def main(argv=None):
     if settings and settings["num_processes"] > 1 and not args.sample and runtime_log is None:
         # this process only watches: the training process it starts is what an abort by the runtime ends
         guard = failure.Guard(workdir, settings["process_id"], settings["num_processes"], verbose=args.verbose)
-        argv = sys.argv[1:] if argv is None else list(argv)
         return failure.supervise([sys.executable, os.path.abspath(__file__), *argv], guard)
     if runtime_log is not None:  # the training process of a supervised run
         failure.die_with_supervisor()

@@ -384,8 +384,9 @@ def report(schedules: dict, title: str) -> str:
                   "|---|---|---|---|---:|---|---:|---:|---:|---:|---|"]
         for c in s.collectives:
             flag = " **narrow-int all-reduce**" if c.narrow_int_all_reduce else ""
+            how = ("async" if c.is_async else "sync") + (", own stream" if c.own_stream else "")
             lines.append(f"| `{c.name}`{flag} | {c.kind} | {'yes' if c.crosses_replica else 'no'} | "
-                         f"{'/'.join(c.dtypes)} | {hlo.human_bytes(c.bytes)} | {('async' if c.is_async else 'sync') + (', own stream' if c.own_stream else '')} | "
+                         f"{'/'.join(c.dtypes)} | {hlo.human_bytes(c.bytes)} | {how} | "
                          f"{c.count} | {c.gemms_under} | {100 * s.share_under(c):.1f} % | {c.fusions_under} | "
                          f"{len(c.collectives_under)} |")
         lines += ["", f"Crossing `replica`: {len(cross)} collective(s)"

@@ -231,8 +231,7 @@ class Exchange(NamedTuple):
     mode: str
     compensate: bool
     error_beta: float
-    error_bits: int | None
-    block_size: int
+    error_bits: int | None  # the quantizer's block size is cfg's
 
     def data_size(self) -> int:
         """``D``: the devices of ``data_axis`` bound in this ``shard_map`` (1 when none)."""
@@ -243,7 +242,7 @@ class Exchange(NamedTuple):
     def slice_len(self, size: int, d: int, m: int) -> int:
         """``k``: values of one data device's slice of a fragment of ``size`` values, a whole number of
         blocks per replica: ``max(round_up(ceil(size / d), u), u)``, ``u = B`` (``M B`` two-stage)."""
-        unit = self.block_size * (m if self.mode == "two_stage" else 1)
+        unit = self.cfg.block_size * (m if self.mode == "two_stage" else 1)
         return max(coll._round_up(-(-size // d), unit), unit)
 
     def my_slice(self, flat, k: int, d: int):
@@ -272,7 +271,8 @@ class Exchange(NamedTuple):
         """The mean over replicas of this device's slice of fragment ``p``'s outer gradient
         (docs/algorithms.md, "6. DiLoCo and Streaming DiLoCo", the exchange)::
 
-            h = R_p x + e_p,   mean = R_p^T (1/M) sum_m DQ(Q_b(h^m)),   e_p = Q_e(beta e_p + (1 - beta)(h - DQ(Q_b(h))))
+            h = R_p x + e_p,   mean = R_p^T (1/M) sum_m DQ(Q_b(h^m)),
+            e_p = Q_e(beta e_p + (1 - beta)(h - DQ(Q_b(h))))
 
         Returns ``(mean slice, new stored error or None, codes or None)``; ``codes`` is ``(gathered
         payloads, finish)`` with ``rotate_out(finish(gathered)) == mean slice``, for :meth:`gather_codes`.
@@ -284,7 +284,9 @@ class Exchange(NamedTuple):
         m = coll.axis_size(axis_name)
         if self.bits is None:
             return coll.on_own_stream(lambda: lax.pmean(slice_f32, axis_name)), None, None
-        e = quant.load(error, error_scale, self.error_bits, block_size=self.block_size)[0] if self.compensate else 0.0
+        e = 0.0
+        if self.compensate:
+            e = quant.load(error, error_scale, self.error_bits, block_size=self.cfg.block_size)[0]
         h = cfg.rotate_in(slice_f32[None], p)[0] + e  # with rotate, the error lives in fragment p's rotated domain
         if self.mode == "all_gather":
             _, sent, gathered = coll.all_gather_sum(h[None], axis_name, cfg, own_stream=True, with_payloads=True)
@@ -297,7 +299,7 @@ class Exchange(NamedTuple):
         stored = None
         if self.compensate:
             stored = error_feedback(e[None], h[None], sent[None], beta=self.error_beta, error_bits=self.error_bits,
-                                    block_size=self.block_size, never=never)
+                                    block_size=self.cfg.block_size, never=never)
         return mean, stored, (gathered, finish)
 
 
@@ -471,7 +473,7 @@ def diloco(
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     inner = optax.with_extra_args_support(inner)
     ex = Exchange(axis_name, data_axis, bits, coll.QuantConfig(bits or 8, block_size, format, rotate, seed), mode,
-                  compensate, error_beta, error_bits, block_size)
+                  compensate, error_beta, error_bits)
     schedule = dict(sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
 
     @functools.lru_cache(maxsize=8)

@@ -517,7 +517,6 @@ class BucketStep(NamedTuple):
     axis_name: str | None
     fast_axis: str | None
     scatter: bool
-    block_size: int
     bucket_size: int | None
     stochastic_rounding: bool
     cfg: coll.QuantConfig
@@ -530,13 +529,12 @@ class BucketStep(NamedTuple):
     reset_every: int | None
     shard_dims: Any
     nonfinite: str
-    groups: Any
-    seed: int
+    groups: Any  # compress(groups=); the quantizer's block size and seed are cfg's
 
     def layout(self, shapes, dims, labels, m):
         """:func:`bucket_layout` with this transformation's settings (``m``: devices on ``axis_name``)."""
         fast_size = coll.axis_size(self.fast_axis) if self.fast_axis is not None else None
-        return bucket_layout(shapes, dims, labels, m, block_size=self.block_size, bucket_size=self.bucket_size,
+        return bucket_layout(shapes, dims, labels, m, block_size=self.cfg.block_size, bucket_size=self.bucket_size,
                              scatter=self.scatter, fast_size=fast_size)
 
     def labels_of(self, treedef, count):
@@ -554,7 +552,7 @@ class BucketStep(NamedTuple):
         if self.fast_axis is not None:
             specs.require_axis(self.fast_axis, "loco.compress")
         count = jnp.zeros((), jnp.int32)
-        key = jax.random.key_data(jax.random.PRNGKey(self.seed))
+        key = jax.random.key_data(jax.random.PRNGKey(self.cfg.seed))
         if not self.keep_error:
             return CompressState(count, count, key)
         m = coll.axis_size(self.axis_name)
@@ -566,7 +564,7 @@ class BucketStep(NamedTuple):
             device_axes = tuple(a for a in specs.manual_axes() if a in device_axes or a == self.fast_axis)
 
         def zeros(shape, depth=None):
-            values, scales = quant.stored_zeros(shape, self.error_bits, block_size=self.block_size)
+            values, scales = quant.stored_zeros(shape, self.error_bits, block_size=self.cfg.block_size)
             if depth is not None:
                 values, scales = jax.tree.map(lambda x: jnp.broadcast_to(x, (depth,) + x.shape), (values, scales))
             return jax.tree.map(lambda x: specs.to_varying(x, device_axes), (values, scales))
@@ -646,7 +644,7 @@ class BucketStep(NamedTuple):
         rows = self.cfg.rotate_in(rows, b)
         if not self.keep_error:
             return rows, None
-        e = jnp.where(inputs.reset, 0.0, quant.load(slot[0], slot[1], self.error_bits, block_size=self.block_size))
+        e = jnp.where(inputs.reset, 0.0, quant.load(slot[0], slot[1], self.error_bits, block_size=self.cfg.block_size))
         return rows + e, e
 
     def _stored(self, e, h, sent, slot, inputs):
@@ -654,7 +652,7 @@ class BucketStep(NamedTuple):
         if not self.keep_error:
             return slot
         values, scales = error_feedback(e, h, sent, beta=self.beta, error_bits=self.error_bits,
-                                        block_size=self.block_size, never=inputs.t < 0)
+                                        block_size=self.cfg.block_size, never=inputs.t < 0)
         return (values, scales) + tuple(slot[2:])
 
     def pipelined(self):
@@ -665,8 +663,8 @@ class BucketStep(NamedTuple):
     def send(self, b, leaves, dims, slot, inputs, axes):
         """Stage one up to its all-to-all: ``(payload, layout, slot)``, the ``uint8`` payload of the compensated
         rows (row ``j`` goes to device ``j``), the bucket layout, and the slot with its new stage-1 error."""
-        rows, layout_ = coll.make_bucket(leaves, coll.axis_size(self.axis_name), self.block_size, scatter=self.scatter,
-                                         dims=dims)
+        rows, layout_ = coll.make_bucket(leaves, coll.axis_size(self.axis_name), self.cfg.block_size,
+                                         scatter=self.scatter, dims=dims)
         key1 = coll.device_key(inputs.key, axes, 2 * b) if self.stochastic_rounding else None
         h, e = self._compensated(b, rows, slot, inputs)
         payload = self.cfg.encode(h, key1)
@@ -693,11 +691,11 @@ class BucketStep(NamedTuple):
         key2 = coll.device_key(inputs.key, axes, 2 * b + 1) if self.stochastic_rounding else None
         if not self.compensate_second_stage:
             return coll.all_gather_chunk(chunk, self.axis_name, self.cfg, key2)[0], slot
-        e2 = jnp.where(inputs.reset, 0.0, quant.load(slot[2], slot[3], self.error_bits, block_size=self.block_size))
+        e2 = jnp.where(inputs.reset, 0.0, quant.load(slot[2], slot[3], self.error_bits, block_size=self.cfg.block_size))
         h2 = chunk[None] + e2
         mean_rows, sent2 = coll.all_gather_chunk(h2[0], self.axis_name, self.cfg, key2)
         values, scales = error_feedback(e2, h2, sent2[None], beta=self.beta, error_bits=self.error_bits,
-                                        block_size=self.block_size, never=inputs.t < 0)
+                                        block_size=self.cfg.block_size, never=inputs.t < 0)
         return mean_rows, tuple(slot[:2]) + (values, scales)
 
     def bucket(self, b, leaves, dims, slot, inputs, axes):
@@ -716,9 +714,9 @@ class BucketStep(NamedTuple):
             return self.receive(b, self.exchange(payload), layout_, slot, inputs, axes)
         # the all-gather form, or hierarchical: exact over the fast axis first, this device's 1/D shard as (m, cols)
         if self.fast_axis is None:
-            rows, layout_ = coll.make_bucket(leaves, m, self.block_size, scatter=self.scatter, dims=dims)
+            rows, layout_ = coll.make_bucket(leaves, m, self.cfg.block_size, scatter=self.scatter, dims=dims)
         else:
-            rows, layout_ = coll.fast_shard(leaves, self.fast_axis, m, self.block_size, mean=True)
+            rows, layout_ = coll.fast_shard(leaves, self.fast_axis, m, self.cfg.block_size, mean=True)
         key1 = coll.device_key(inputs.key, axes, 2 * b) if self.stochastic_rounding else None
         h, e = self._compensated(b, rows, slot, inputs)
         if self.mode == "all_gather":  # (reduce="scatter" needs the two-stage form: refused above)
@@ -845,10 +843,10 @@ def _build(
             )
     if shard_dims is not None and reduce != "scatter":
         raise ValueError(f"shard_dims is for reduce='scatter' (FSDP); reduce={reduce!r} returns full-shape means.")
-    step = BucketStep(axis_name, fast_axis, reduce == "scatter", block_size, bucket_size, stochastic_rounding,
+    step = BucketStep(axis_name, fast_axis, reduce == "scatter", bucket_size, stochastic_rounding,
                       coll.QuantConfig(bits or 8, block_size, format, rotate, seed), bits is not None,
                       bits is not None and compensate, error_bits, beta, compensate_second_stage, mode, reset_every,
-                      shard_dims, nonfinite, groups, seed)
+                      shard_dims, nonfinite, groups)
     return Exchanger(
         transformation=optax.GradientTransformationExtraArgs(step.init, step.update), layout=step.layout,
         bucket=step.bucket, pipelined=step.pipelined(), send=step.send, exchange=step.exchange, receive=step.receive,

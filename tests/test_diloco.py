@@ -574,6 +574,6 @@ def test_schedule_phases_and_slices():
     assert diloco.schedule_phases(6, 3, 1) == [diloco.Phase(None, None), diloco.Phase(0, 0), diloco.Phase(1, 1),
                                                diloco.Phase(2, 2)]
     assert diloco.schedule_phases(4, 1, 0) == [diloco.Phase(None, None), diloco.Phase(0, 0)]
-    ex = diloco.Exchange("replica", "data", 4, collectives.QuantConfig(4), "all_gather", False, 0.8, 8, 256)
+    ex = diloco.Exchange("replica", "data", 4, collectives.QuantConfig(4, 256), "all_gather", False, 0.8, 8)
     assert ex.slice_len(3072, 4, 2) == 768 and ex.slice_len(3073, 4, 2) == 1024 and ex.slice_len(10, 4, 2) == 256
     assert ex._replace(mode="two_stage").slice_len(3072, 4, 2) == 1024  # whole blocks per replica: M B units

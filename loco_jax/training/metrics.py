@@ -20,7 +20,10 @@ class Progress:
 
     def __init__(self, total):
         self.total, self.line = total, ProgressLine(width=30, every_s=None)
-        self.tty = self.line.tty
+
+    @property
+    def tty(self):
+        return self.line.tty
 
     def update(self, step, text):
         self.line.show(step / self.total, f"{step}/{self.total} {text}")

@@ -347,7 +347,8 @@ def _describe(files) -> str:
     return f"the inputs ({', '.join(map(str, files[:3]))}{', ...' if len(files) > 3 else ''})"
 
 
-def _tokenizer(kind, files, *, vocab_size, sp_model, sample_chars, text_field, eval_every, on_bytes, log):
+def _tokenizer(kind, files, *, vocab_size, sp_model, sample_chars, text_field, eval_every, total_bytes, on_bytes,
+               log):
     """``(tokenizer, model proto or None, sample)``: bytes, a SentencePiece model loaded from ``sp_model``, or
     one trained on ``sample_chars`` characters of the training documents (``sample``: the texts it saw)."""
     if kind == "byte":
@@ -358,7 +359,6 @@ def _tokenizer(kind, files, *, vocab_size, sp_model, sample_chars, text_field, e
             raise ValueError(f"SentencePiece model {sp_model} has a vocabulary of {tok.vocab_size}, not the "
                              f"{vocab_size} asked for; drop --vocab-size or pass --vocab-size {tok.vocab_size}.")
         return tok, tok.proto, []
-    total_bytes = sum(f.stat().st_size for f in files)
     sample = _sample(files, text_field, eval_every, sample_chars, total_bytes, on_bytes)
     if not sample:
         raise ValueError(f"{_describe(files)} hold no training text to train a tokenizer on.")
@@ -466,7 +466,7 @@ def prepare(
 
         tok, proto, sample = _tokenizer(kind, files, vocab_size=vocab_size, sp_model=sp_model,
                                         sample_chars=sample_chars, text_field=text_field, eval_every=eval_every,
-                                        on_bytes=counter("sampling"), log=log)
+                                        total_bytes=total_bytes, on_bytes=counter("sampling"), log=log)
         if sample:
             progress("sampling", done[0], total_bytes, final=True)
         if proto is not None:

@@ -23,9 +23,9 @@ class ProgressLine:
     ``every_s`` seconds (and always when ``final``); off a terminal, ``text`` as its own line at most every
     ``every_s`` seconds, or never with ``every_s=None``."""
 
-    def __init__(self, stream=None, *, width: int = 24, every_s: float | None = 0.0, tty: bool | None = None):
+    def __init__(self, stream=None, *, width: int = 24, every_s: float | None = 0.0):
         self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else tty
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.width, self.every_s = width, every_s
         self._last, self._open = float("-inf"), False
 

@@ -271,14 +271,8 @@ class _Buckets(NamedTuple):
     axes: tuple
     layer_dims: Any
     layer_tree: Any
-
-    @property
-    def members_of(self):
-        return [[i for i, _, _ in members] for members, _ in self.flat]
-
-    @property
-    def dims_of(self):
-        return [[self.dims[i] for i in idx] if self.scatter else None for idx in self.members_of]
+    members_of: list  # per bucket outside the stack, its leaves' indices
+    dims_of: list  # per bucket outside the stack, its leaves' shard dimensions (FSDP), else None
 
     def gathered(self, xs, xdims):
         """A group's (or a layer's) full parameters for the model: cast to varying, or all-gathered (FSDP)."""
@@ -306,8 +300,10 @@ def _in_backward_buckets(mcfg, ex: loco.Exchanger, params, shard_dims) -> _Bucke
     flat, stack = ex.layout(full_shapes, dims, labels, n)
     scatter = shard_dims is not None
     layer_dims = jax.tree.map(lambda d: d - 1, shard_dims["layers"]) if scatter else None
+    members_of = [[i for i, _, _ in members] for members, _ in flat]
+    dims_of = [[dims[i] for i in idx] if scatter else None for idx in members_of]
     return _Buckets(leaves, treedef, dims, full_shapes, flat, stack, scatter, mcfg.cdtype, _data_axes(), layer_dims,
-                    jax.tree.structure(params["layers"]))
+                    jax.tree.structure(params["layers"]), members_of, dims_of)
 
 
 def _earlier_micro_batches(mcfg, bk: _Buckets, xs, ys):

@@ -41,8 +41,8 @@ def config_flags_as_set(argv):
     return out
 
 
-def main(argv=None):
-    argv = config_flags_as_set(sys.argv[1:] if argv is None else list(argv))
+def build_parser():
+    """train.py's command line (every option, its default and its help)."""
     parser = argparse.ArgumentParser(description="Train a transformer with LoCo and Streaming DiLoCo.")
     parser.add_argument("--config", default="configs/tiny.py", help="a configs/NAME.py file (default: %(default)s)")
     parser.add_argument("--workdir", default=None, help="run directory (default: workdir/<config name>)")
@@ -78,6 +78,28 @@ def main(argv=None):
                              "WORKDIR/profile; view it in TensorBoard's Profile tab or Perfetto")
     parser.add_argument("--verbose", action="store_true",
                         help="print the full error (Python and runtime) when a peer process fails, not just the summary")
+    return parser
+
+
+def _check_sample_args(parser, args, workdir):
+    """``--sample``'s options, and a checkpoint to sample from, checked before jax starts."""
+    from loco_jax.training import sample_command
+
+    if args.plot:
+        parser.error("--sample and --plot are separate commands; give one.")
+    if args.sample_length is not None and args.sample_length < 1:
+        parser.error(f"--sample-length={args.sample_length} must be >= 1.")
+    if args.temperature is not None and not args.temperature >= 0:
+        parser.error(f"--temperature={args.temperature} must be >= 0 (0: greedy).")
+    try:
+        sample_command.latest_checkpoint_step(workdir)
+    except FileNotFoundError as e:
+        parser.exit(1, f"train.py --sample: {e}\n")
+
+
+def main(argv=None):
+    argv = config_flags_as_set(sys.argv[1:] if argv is None else list(argv))
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.heartbeat_timeout is not None and args.heartbeat_timeout < 1:
         parser.error(f"--heartbeat-timeout={args.heartbeat_timeout} must be >= 1 second.")
@@ -95,16 +117,7 @@ def main(argv=None):
     if args.sample:
         from loco_jax.training import sample_command
 
-        if args.plot:
-            parser.error("--sample and --plot are separate commands; give one.")
-        if args.sample_length is not None and args.sample_length < 1:
-            parser.error(f"--sample-length={args.sample_length} must be >= 1.")
-        if args.temperature is not None and not args.temperature >= 0:
-            parser.error(f"--temperature={args.temperature} must be >= 0 (0: greedy).")
-        try:
-            sample_command.latest_checkpoint_step(workdir)
-        except FileNotFoundError as e:
-            parser.exit(1, f"train.py --sample: {e}\n")
+        _check_sample_args(parser, args, workdir)
     else:
         cfg = config_lib.load(args.config, args.overrides)
     if args.plot:

@@ -50,7 +50,7 @@ collectives in no fixed order, could deadlock on them.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -148,91 +148,125 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
     def bwd(res, ct_out):
         saved, params, slot_f, sq, acc, inputs, consts = res
         depth = jax.tree.leaves(params)[0].shape[0]
-
-        def backward(i, ct, full=None):
-            return _layer_vjp(layer, prepare, params, saved, consts, remat, i, ct, full)
-
-        def local(i, grads):
-            return _accumulate(grads, None if acc is None else jax.tree.leaves(_index(acc, i)), count)
-
-        def write(bufs, i, outs=None, slot=None, sq_value=None):
-            out_buf, slot_buf, sq_buf = bufs
-            if outs is not None:
-                leaves = [lax.dynamic_update_index_in_dim(buf, o.astype(buf.dtype), i, 0)
-                          for buf, o in zip(jax.tree.leaves(out_buf), outs)]
-                out_buf = jax.tree.unflatten(jax.tree.structure(out_buf), leaves)
-            if slot is not None:
-                slot_buf = tuple(buf if buf is None or v is None else
-                                 lax.dynamic_update_index_in_dim(buf, _typed_like(v, buf), i, 0)
-                                 for buf, v in zip(slot_buf, as_cotangent(slot)))
-            if sq_value is not None:
-                sq_buf = lax.dynamic_update_index_in_dim(sq_buf, _typed_like(sq_value, sq_buf)[None], i, 0)
-            return out_buf, slot_buf, sq_buf
-
-        def stored_slot(i):
-            return from_views(ex, _index(slot_f, i))
-
-        def exchange(i, grads, bufs):
-            """Layer i's whole bucket step, written into the output buffers."""
-            grads = local(i, grads)
-            axes = loco._device_axes(grads, ex.axis_name)
-            outs, slot = ex.bucket(base + i, grads, dims, stored_slot(i), inputs, axes)
-            return write(bufs, i, outs, slot, _square_norm(grads))
-
-        def send(i, grads, bufs):
-            """Layer i up to its all-to-all: ``(payload, layout, bufs)`` with its new stage-1 error written."""
-            grads = local(i, grads)
-            payload, layout, slot = ex.send(base + i, grads, dims, stored_slot(i), inputs, noise_axes)
-            return payload, layout, write(bufs, i, slot=slot[:2] + (None, None), sq_value=_square_norm(grads))
-
-        def receive(i, received, layout, bufs):
-            """Layer i from its received payloads: its output and, where kept, its second-stage error."""
-            slot = stored_slot(i)
-            outs, slot = ex.receive(base + i, received, layout, slot, inputs, noise_axes)
-            return write(bufs, i, outs, (None, None) + tuple(slot[2:]))
-
+        pending, ct = _layer_vjp(layer, prepare, params, saved, consts, remat, depth - 1, ct_out)
+        noise_axes = loco._device_axes(pending, ex.axis_name)  # the layers' gradients all vary alike
+        walk = _BackwardWalk(ex, base, prepare, dims, count, layer, remat, params, saved, consts, acc, slot_f,
+                             inputs, noise_axes)
         zeros = lambda ref: _typed_like(jnp.zeros(ref.shape, ref.dtype), ref)
         bufs = (jax.tree.map(zeros, params), tuple(None if x is None else zeros(x) for x in slot_f), zeros(sq))
-        steps = jnp.arange(depth - 2, -1, -1, dtype=jnp.int32)  # the layers below the top one, top down
-        pending, ct = backward(depth - 1, ct_out)
-        noise_axes = loco._device_axes(pending, ex.axis_name)  # the layers' gradients all vary alike
-        if not ex.pipelined:
-            def body(carry, i):
-                ct, pending, bufs = carry
-                bufs = exchange(i + 1, pending, bufs)  # the layer above, behind this layer's backward compute
-                pending, ct = backward(i, ct)
-                return (ct, pending, bufs), None
-
-            (ct, pending, bufs), _ = lax.scan(body, (ct, pending, bufs), steps)
-            out_buf, slot_buf, sq_buf = exchange(jnp.int32(0), pending, bufs)
-            return ct, out_buf, slot_buf, sq_buf, None, None, jax.tree.map(jnp.zeros_like, consts)
-
-        # Pipelined: the all-to-all of layer i+1 (its payload carried from the previous iteration) is issued
-        # at the top of iteration i and its result used only once layer i's gradient exists, so it runs
-        # under layer i's backward compute; layer i's payload is made at the end, for the next iteration.
-        payload, layout, bufs = send(depth - 1, pending, bufs)
-        # remat: layer i's parameters are prepared (FSDP: all-gathered) one iteration ahead, so that gather
-        # too runs under compute (the last iteration prepares layer 0 again, unused)
-        ahead = prepare(_index(params, depth - 2)) if remat else None
-
-        def body(carry, i):
-            ct, payload, bufs, full = carry
-            full_next = prepare(_index(params, jnp.maximum(i - 1, 0))) if remat else None
-            if full_next is not None:  # XLA:CPU runs independent collectives in no fixed order: gather first
-                payload = loco._after([payload], jax.tree.leaves(full_next))[0]
-            received = ex.exchange(payload)
-            grads, ct = backward(i, ct, full)
-            received, grads = lax.optimization_barrier((received, grads))
-            bufs = receive(i + 1, received, layout, bufs)
-            payload, _, bufs = send(i, grads, bufs)
-            return (ct, payload, bufs, full_next), None
-
-        (ct, payload, bufs, _), _ = lax.scan(body, (ct, payload, bufs, ahead), steps)
-        out_buf, slot_buf, sq_buf = receive(jnp.int32(0), ex.exchange(payload), layout, bufs)
+        run_loop = walk.pipelined if ex.pipelined else walk.sequential
+        ct, (out_buf, slot_buf, sq_buf) = run_loop(ct, pending, bufs, depth)
         return ct, out_buf, slot_buf, sq_buf, None, None, jax.tree.map(jnp.zeros_like, consts)
 
     run.defvjp(fwd, bwd)
     return run
+
+
+class _BackwardWalk(NamedTuple):
+    """One backward pass of :func:`stack`'s layers, top down, with each layer's bucket step (module
+    docstring): what the loop needs, and its pieces. ``bufs`` is ``(outputs, error buffers, square norms)``,
+    each ``(L, ...)``, written in place, layer ``i`` at index ``i``; layer ``i`` is bucket ``base + i``."""
+    ex: loco.Exchanger
+    base: int
+    prepare: Callable
+    dims: object
+    count: int
+    layer: Callable
+    remat: bool
+    params: object
+    saved: object
+    consts: tuple
+    acc: object
+    slot_f: tuple
+    inputs: object
+    noise_axes: tuple
+
+    def backward(self, i, ct, full=None):
+        return _layer_vjp(self.layer, self.prepare, self.params, self.saved, self.consts, self.remat, i, ct, full)
+
+    def local(self, i, grads):
+        """Layer i's local gradient leaves: with micro-batches, the mean of the earlier ones' sum and these."""
+        return _accumulate(grads, None if self.acc is None else jax.tree.leaves(_index(self.acc, i)), self.count)
+
+    def stored_slot(self, i):
+        return from_views(self.ex, _index(self.slot_f, i))
+
+    @staticmethod
+    def write(bufs, i, outs=None, slot=None, sq_value=None):
+        """``bufs`` with layer i's outputs, error buffers (None entries: unchanged) and square norm written."""
+        out_buf, slot_buf, sq_buf = bufs
+        if outs is not None:
+            leaves = [lax.dynamic_update_index_in_dim(buf, o.astype(buf.dtype), i, 0)
+                      for buf, o in zip(jax.tree.leaves(out_buf), outs)]
+            out_buf = jax.tree.unflatten(jax.tree.structure(out_buf), leaves)
+        if slot is not None:
+            slot_buf = tuple(buf if buf is None or v is None else
+                             lax.dynamic_update_index_in_dim(buf, _typed_like(v, buf), i, 0)
+                             for buf, v in zip(slot_buf, as_cotangent(slot)))
+        if sq_value is not None:
+            sq_buf = lax.dynamic_update_index_in_dim(sq_buf, _typed_like(sq_value, sq_buf)[None], i, 0)
+        return out_buf, slot_buf, sq_buf
+
+    def exchange(self, i, grads, bufs):
+        """Layer i's whole bucket step, written into the output buffers."""
+        grads = self.local(i, grads)
+        axes = loco._device_axes(grads, self.ex.axis_name)
+        outs, slot = self.ex.bucket(self.base + i, grads, self.dims, self.stored_slot(i), self.inputs, axes)
+        return self.write(bufs, i, outs, slot, _square_norm(grads))
+
+    def send(self, i, grads, bufs):
+        """Layer i up to its all-to-all: ``(payload, layout, bufs)`` with its new stage-1 error written."""
+        grads = self.local(i, grads)
+        payload, layout, slot = self.ex.send(self.base + i, grads, self.dims, self.stored_slot(i), self.inputs,
+                                             self.noise_axes)
+        return payload, layout, self.write(bufs, i, slot=slot[:2] + (None, None), sq_value=_square_norm(grads))
+
+    def receive(self, i, received, layout, bufs):
+        """Layer i from its received payloads: its output and, where kept, its second-stage error."""
+        outs, slot = self.ex.receive(self.base + i, received, layout, self.stored_slot(i), self.inputs,
+                                     self.noise_axes)
+        return self.write(bufs, i, outs, (None, None) + tuple(slot[2:]))
+
+    def sequential(self, ct, pending, bufs, depth):
+        """Each iteration exchanges the layer above whole, beside this layer's backward compute:
+        ``(input cotangent, bufs)``. ``pending``: the top layer's gradient leaves, taken before the loop."""
+        def body(carry, i):
+            ct, pending, bufs = carry
+            bufs = self.exchange(i + 1, pending, bufs)
+            pending, ct = self.backward(i, ct)
+            return (ct, pending, bufs), None
+
+        (ct, pending, bufs), _ = lax.scan(body, (ct, pending, bufs), _layers_below_top(depth))
+        return ct, self.exchange(jnp.int32(0), pending, bufs)
+
+    def pipelined(self, ct, pending, bufs, depth):
+        """The all-to-all of layer i+1 (its payload carried from the previous iteration) is issued at the top
+        of iteration i and its result used only once layer i's gradient exists, so it runs under layer i's
+        backward compute; layer i's payload is made at the end, for the next iteration. Under remat, layer
+        i's parameters are prepared (FSDP: all-gathered) one iteration ahead, so that gather too runs under
+        compute (the last iteration prepares layer 0 again, unused)."""
+        payload, layout, bufs = self.send(depth - 1, pending, bufs)
+        ahead = self.prepare(_index(self.params, depth - 2)) if self.remat else None
+
+        def body(carry, i):
+            ct, payload, bufs, full = carry
+            full_next = self.prepare(_index(self.params, jnp.maximum(i - 1, 0))) if self.remat else None
+            if full_next is not None:  # XLA:CPU runs independent collectives in no fixed order: gather first
+                payload = loco._after([payload], jax.tree.leaves(full_next))[0]
+            received = self.ex.exchange(payload)
+            grads, ct = self.backward(i, ct, full)
+            received, grads = lax.optimization_barrier((received, grads))
+            bufs = self.receive(i + 1, received, layout, bufs)
+            payload, _, bufs = self.send(i, grads, bufs)
+            return (ct, payload, bufs, full_next), None
+
+        (ct, payload, bufs, _), _ = lax.scan(body, (ct, payload, bufs, ahead), _layers_below_top(depth))
+        return ct, self.receive(jnp.int32(0), self.ex.exchange(payload), layout, bufs)
+
+
+def _layers_below_top(depth):
+    """The loop's layer indices, top down: ``L-2, ..., 0`` (layer ``L-1``'s product is taken before it)."""
+    return jnp.arange(depth - 2, -1, -1, dtype=jnp.int32)
 
 
 def _sum_into(acc, grads, first):

@@ -58,12 +58,24 @@ def test_a_documented_value_the_config_does_not_set_is_caught(tmp_path):
 
 
 def test_the_config_model_fields_are_the_models_own():
-    """config.ModelFields is the config file's view of model.ModelConfig (which shapes.check_dims validates):
-    every field but the attention choice is a ModelConfig field of the same name, so a new model field
-    cannot be added to one and forgotten in the other."""
+    """The config's model section is model.ModelConfig's fields (one description): a field set in a config
+    reaches the model, and a run saved before the config had a field resumes at the value it ran with."""
     import dataclasses
 
     from loco_jax.training import model as model_lib
+    from loco_jax.training import steps
 
-    config_fields = {f.name for f in dataclasses.fields(config_lib.ModelFields)} - {"attention"}
-    assert config_fields <= {f.name for f in dataclasses.fields(model_lib.ModelConfig)}, config_fields
+    model_fields = {f.name: f.type for f in dataclasses.fields(model_lib.ModelConfig)}
+    config_fields = {f.name: f.type for f in dataclasses.fields(config_lib.ModelFields)}
+    assert config_fields.pop("attention") is str
+    assert set(config_fields) == set(model_fields) - {"attention_impl"}
+    tiny = ROOT / "configs" / "tiny.py"
+    cfg = config_lib.load(tiny, ["model.rope_theta=500000", "model.init_std=0.01", "model.num_kv_heads=2"])
+    m = steps.model_config(cfg)
+    assert (m.rope_theta, m.init_std, m.num_kv_heads, m.d_model) == (500000.0, 0.01, 2, cfg.model.d_model)
+    current = config_lib.to_dict(config_lib.load(tiny))
+    saved = config_lib.to_dict(config_lib.load(tiny))
+    for name in ("rope_theta", "norm_eps", "param_dtype", "init_std"):
+        del saved["model"][name]
+    assert config_lib.with_reference_fields(saved)["model"]["rope_theta"] == 10000.0
+    assert config_lib.changed_fields(config_lib.with_reference_fields(saved), current) == []

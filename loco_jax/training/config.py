@@ -16,26 +16,31 @@ import types
 import typing
 
 from loco_jax.checks import require_int
+from loco_jax.training import shapes
 
 
-@dataclasses.dataclass
-class ModelFields:
-    """The transformer (see ``loco_jax.training.model.ModelConfig``)."""
+# The config file's defaults for the model (the tiny demo model); every other field defaults to ModelConfig's.
+MODEL_DEFAULTS = dict(vocab_size=256, d_model=128, num_layers=4, num_heads=4, d_ff=384, max_seq_len=128)
 
-    vocab_size: int = 256
-    d_model: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    d_ff: int = 384
-    max_seq_len: int = 128
-    tie_embeddings: bool = False
-    scan_layers: bool = False
-    remat: bool = False
-    compute_dtype: str = "bfloat16"
+
+def _model_fields():
+    """The config's model section: :class:`loco_jax.training.shapes.ModelConfig`'s own fields (names, types,
+    defaults but :data:`MODEL_DEFAULTS`), so the model is described once, with ``attention`` (the user's choice,
+    "auto" | "xla" | "cudnn") in place of ``attention_impl`` (what the trainer resolves it to for the device:
+    :func:`loco_jax.training.steps.attention_impl`)."""
+    hints = typing.get_type_hints(shapes.ModelConfig)
+    fields = [(f.name, hints[f.name], dataclasses.field(default=MODEL_DEFAULTS.get(f.name, f.default)))
+              for f in dataclasses.fields(shapes.ModelConfig) if f.name != "attention_impl"]
     # jax.nn.dot_product_attention's implementation: "auto" is cuDNN's fused (flash) attention where the
     # step compiles for GPUs in bf16/fp16, XLA's elsewhere; "xla" or "cudnn" to choose
-    attention: str = "auto"
+    fields.append(("attention", str, dataclasses.field(default="auto")))
+    cls = dataclasses.make_dataclass("ModelFields", fields)
+    cls.__module__ = __name__
+    cls.__doc__ = "The transformer: the fields of ``loco_jax.training.shapes.ModelConfig`` and ``attention``."
+    return cls
+
+
+ModelFields = _model_fields()
 
 
 ATTENTION = ("auto", "xla", "cudnn")
@@ -209,7 +214,11 @@ def resolve(cfg: Config, saved: dict | None = None) -> Config:
 def with_reference_fields(saved: dict) -> dict:
     """A saved config dict with the fields an older version did not record set to what it ran with."""
     saved = json.loads(json.dumps(saved))
-    saved.setdefault("model", {}).setdefault("attention", "xla")  # before model.attention: XLA's, everywhere
+    model = saved.setdefault("model", {})
+    model.setdefault("attention", "xla")  # before model.attention: XLA's, everywhere
+    for f in dataclasses.fields(shapes.ModelConfig):  # fields the config did not have yet ran at the model's default
+        if f.name != "attention_impl" and f.default is not dataclasses.MISSING:
+            model.setdefault(f.name, f.default)
     saved.setdefault("loco", {}).setdefault("in_backward", False)  # before loco.in_backward: after the backward
     for section, names in RESOLVED_FIELDS.items():
         node = saved.setdefault(section, {})
@@ -340,6 +349,9 @@ def validate(cfg: Config):
         raise ValueError(f"nonfinite={cfg.nonfinite!r} must be 'skip' or 'stop'.")
     if cfg.elastic_inner_state not in ("copy", "reset"):
         raise ValueError(f"elastic_inner_state={cfg.elastic_inner_state!r} must be 'copy' or 'reset'.")
+    model = dataclasses.asdict(cfg.model)
+    del model["attention"]
+    shapes.ModelConfig(**model)  # the model's own checks (dimensions, dtypes), before any device starts
     if cfg.model.attention not in ATTENTION:
         raise ValueError(f"model.attention={cfg.model.attention!r} must be one of {ATTENTION}.")
     if cfg.model.attention == "cudnn" and cfg.model.compute_dtype not in ("bfloat16", "float16"):

@@ -82,7 +82,6 @@ attention; the parameter tree's shapes are :mod:`loco_jax.training.shapes`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -95,6 +94,7 @@ from flax import nnx
 from loco_jax import fragments
 from loco_jax.checks import require_int
 from loco_jax.training import shapes
+from loco_jax.training.shapes import ModelConfig
 
 __all__ = [
     "CONFIGS",
@@ -116,98 +116,6 @@ __all__ = [
     "rope_tables",
     "swiglu_hidden",
 ]
-
-_COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Sizes and policies of the transformer. Frozen and hashable (usable as a static jit argument).
-
-    Attributes:
-      vocab_size: ``V``.
-      d_model: ``d``.
-      num_layers: ``L``.
-      num_heads: ``H`` query heads; ``head_dim = d_model // num_heads`` (even, for RoPE).
-      num_kv_heads: key/value heads (``None``: ``num_heads``); a divisor of
-        ``num_heads`` (grouped-query attention when smaller).
-      d_ff: SwiGLU hidden size.
-      max_seq_len: longest sequence ``apply`` accepts.
-      rope_theta: RoPE base.
-      norm_eps: RMSNorm epsilon (1e-5, as LLaMA 2 / TinyLlama).
-      tie_embeddings: ``logits = x @ embedding.T`` and no ``lm_head``.
-      scan_layers: one stacked block (leaves ``(L, ...)``) run by ``jax.lax.scan``.
-      remat: rematerialise every block in the backward pass (``jax.checkpoint``).
-      compute_dtype: activations and matmuls ("bfloat16", "float32" or "float16").
-      param_dtype: stored parameters ("float32").
-      init_std: std of the normal init; ``wo``/``w_down`` use ``init_std / sqrt(2 L)``.
-      attention_impl: ``implementation=`` of ``jax.nn.dot_product_attention``
-        (``None``: XLA; ``"cudnn"`` for flash attention on GPU).
-    """
-
-    vocab_size: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int | None = None
-    d_ff: int = 0
-    max_seq_len: int = 2048
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    scan_layers: bool = False
-    remat: bool = False
-    compute_dtype: str = "bfloat16"
-    param_dtype: str = "float32"
-    init_std: float = 0.02
-    attention_impl: str | None = None
-
-    def __post_init__(self):
-        shapes.check_dims(**{name: getattr(self, name) for name in (*shapes.DIMS, "num_kv_heads")},
-                          prefix="ModelConfig.")
-        require_int("ModelConfig.max_seq_len", self.max_seq_len, "a positive int")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim = d_model / num_heads = {self.head_dim} must be even for RoPE.")
-        if self.compute_dtype not in _COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype={self.compute_dtype!r}; choose one of {_COMPUTE_DTYPES}.")
-        if not jnp.issubdtype(jnp.dtype(self.param_dtype), jnp.floating):
-            raise ValueError(f"param_dtype={self.param_dtype!r} must be a floating dtype.")
-        if not (self.norm_eps > 0 and self.rope_theta > 0 and self.init_std > 0):
-            raise ValueError("norm_eps, rope_theta and init_std must be positive.")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-    @property
-    def cdtype(self):
-        return jnp.dtype(self.compute_dtype)
-
-    @property
-    def pdtype(self):
-        return jnp.dtype(self.param_dtype)
-
-    def replace(self, **kwargs) -> ModelConfig:
-        return dataclasses.replace(self, **kwargs)
-
-    def shapes(self) -> dict:
-        """The parameter tree as ``jax.ShapeDtypeStruct``: :func:`loco_jax.training.shapes.transformer_shapes`."""
-        return shapes.transformer_shapes(
-            num_layers=self.num_layers,
-            d_model=self.d_model,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            d_ff=self.d_ff,
-            vocab_size=self.vocab_size,
-            tie_embeddings=self.tie_embeddings,
-            scan_layers=self.scan_layers,
-            dtype=self.pdtype,
-        )
-
 
 def _round_up(x: float, m: int) -> int:
     return int(math.ceil(x / m) * m)

@@ -14,6 +14,8 @@ gradients in fp32 before the one optimizer step.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, NamedTuple
 
 import jax
@@ -111,13 +113,10 @@ def make_optimizer(cfg: config_lib.Config, shard_dims=None, norm_dims=None, grou
 
 def model_config(cfg: config_lib.Config, device=None) -> model_lib.ModelConfig:
     """The model of ``cfg`` as it compiles for ``device`` (one of the mesh's; None: XLA's attention)."""
-    m = cfg.model
+    m = dataclasses.asdict(cfg.model)
+    attention = m.pop("attention")
     return model_lib.ModelConfig(
-        vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers, num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads, d_ff=m.d_ff, max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings,
-        scan_layers=m.scan_layers, remat=m.remat, compute_dtype=m.compute_dtype,
-        attention_impl=attention_impl(m.attention, m.compute_dtype, m.d_model // m.num_heads, device),
-    )
+        **m, attention_impl=attention_impl(attention, m["compute_dtype"], m["d_model"] // m["num_heads"], device))
 
 
 def attention_impl(attention: str, compute_dtype: str, head_dim: int, device=None) -> str | None:

@@ -46,6 +46,11 @@ MODELS = {
 }
 
 
+# The sparse exchange's densities (diloco.diloco(density=...), 4,096-entry chunks, 12-bit positions): 3 % and
+# 1 % (the quality cells of benchmarks/parity.py) and 64 of 4,096 (1.56 %, the issue's bytes target).
+SPARSE_DENSITIES = (0.03, 64 / 4096, 0.01)
+
+
 def global_view(shapes, mesh, spec, m):
     """Abstract global arrays: per-replica blocks concatenated on dim 0."""
     return jax.tree.map(
@@ -138,7 +143,8 @@ def measure(model, mesh, m, d, h, p):
         (f"Streaming DiLoCo 4-bit e3m0 (P={p}, tau=1)", dict(num_fragments=p, overlap=1, bits=4, format="e3m0")),
         (f"Streaming DiLoCo 2-bit (P={p}, tau=1)", dict(num_fragments=p, overlap=1, bits=2)),
         (f"Streaming DiLoCo 4-bit two-stage (P={p}, tau=1)", dict(num_fragments=p, overlap=1, bits=4, mode="two_stage")),
-    ]
+    ] + [(f"Streaming DiLoCo sparse {100 * density:.3g} % 2-bit (P={p}, tau=1)",
+          dict(num_fragments=p, overlap=1, bits=2, density=density)) for density in SPARSE_DENSITIES]
     for name, kw in variants:
         t0 = time.time()
         tx, programs = diloco_programs(shapes, mesh, sync_every=h, **kw)
@@ -184,6 +190,7 @@ def main():
     parser.add_argument("--fragments", type=int, default=9)
     parser.add_argument("--run-steps", type=int, default=88_000, help="steps of a whole run (diloco_1b: 88,000)")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--heading", default=HEADING, help="the results section to write (one per H)")
     args = parser.parse_args()
 
     mesh = jax.make_mesh((2, 4), ("replica", "data"))
@@ -204,7 +211,7 @@ def main():
         p_model = min(p, layers + 1)  # every fragment needs a block: at most one per block, plus fragment 0
         n, rows = measure(model, mesh, m, d, h, p_model)
         lines += table(model, n, rows, m, d, h, p_model, args.run_steps)
-    common.report(HEADING, "\n".join(lines), no_write=args.no_write, extra_args=sys.argv[1:])
+    common.report(args.heading, "\n".join(lines), no_write=args.no_write, extra_args=sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ The library, which depends on jax, optax and numpy only:
 - :mod:`~loco_jax.loco`: ``loco.compress``, LoCo's error-compensated optax transformation;
 - :mod:`~loco_jax.backward`: LoCo's exchange inside the backward pass of a scanned stack;
 - :mod:`~loco_jax.diloco`: DiLoCo and Streaming DiLoCo, an outer optimizer over the ``replica`` axis;
+- :mod:`~loco_jax.sparse`: sparse payloads (each chunk's top-k entries) for DiLoCo's sparse exchange;
 - :mod:`~loco_jax.fragments`: the fragments of a parameter tree that Streaming DiLoCo syncs in turn;
 - :mod:`~loco_jax.fsdp`: FSDP's shard layout, parameter gathers and clipping over every shard;
 - :mod:`~loco_jax.specs`: ``PartitionSpec`` of state leaves from their varying axes;
@@ -18,7 +19,7 @@ library imports nothing from it. ``loco_jax.config``, ``data``, ``mesh``, ``mode
 are the application's old import paths, kept for users' existing scripts.
 """
 
-from loco_jax import backward, checks, collectives, diloco, fragments, fsdp, hlo, loco, quant, specs
+from loco_jax import backward, checks, collectives, diloco, fragments, fsdp, hlo, loco, quant, sparse, specs
 
-__all__ = ["backward", "checks", "collectives", "diloco", "fragments", "fsdp", "hlo", "loco", "quant", "specs"]
+__all__ = ["backward", "checks", "collectives", "diloco", "fragments", "fsdp", "hlo", "loco", "quant", "sparse", "specs"]
 __version__ = "0.1.0"

@@ -110,7 +110,9 @@ from jax.sharding import PartitionSpec as P
 from loco_jax import collectives as coll
 from loco_jax import fragments as frag
 from loco_jax import quant, specs
+from loco_jax import sparse as sparse_lib
 from loco_jax.checks import is_int, require_int
+from loco_jax import loco as loco_lib
 from loco_jax.loco import error_feedback, global_all_finite
 
 MODES = coll.MODES
@@ -232,6 +234,7 @@ class Exchange(NamedTuple):
     compensate: bool
     error_beta: float
     error_bits: int | None  # the quantizer's block size is cfg's
+    sparse: sparse_lib.SparseConfig | None = None  # a top-k-per-chunk exchange (sparse_mean) instead of dense
 
     def data_size(self) -> int:
         """``D``: the devices of ``data_axis`` bound in this ``shard_map`` (1 when none)."""
@@ -241,8 +244,12 @@ class Exchange(NamedTuple):
 
     def slice_len(self, size: int, d: int, m: int) -> int:
         """``k``: values of one data device's slice of a fragment of ``size`` values, a whole number of
-        blocks per replica: ``max(round_up(ceil(size / d), u), u)``, ``u = B`` (``M B`` two-stage)."""
-        unit = self.cfg.block_size * (m if self.mode == "two_stage" else 1)
+        blocks per replica: ``max(round_up(ceil(size / d), u), u)``, ``u = B`` (``M B`` two-stage;
+        ``lcm(C, B)`` for a sparse exchange of chunk ``C``)."""
+        if self.sparse is not None:  # whole chunks, and whole blocks of a quantized error buffer
+            unit = math.lcm(self.sparse.chunk, self.cfg.block_size)
+        else:
+            unit = self.cfg.block_size * (m if self.mode == "two_stage" else 1)
         return max(coll._round_up(-(-size // d), unit), unit)
 
     def my_slice(self, flat, k: int, d: int):
@@ -280,6 +287,8 @@ class Exchange(NamedTuple):
         false flag (:func:`loco_jax.loco.error_feedback`). On GPUs the exchange asks for a collective stream
         of its own (it crosses replicas: a slow link).
         """
+        if self.sparse is not None:
+            return self.sparse_mean(slice_f32, error, error_scale, never)
         axis_name, cfg = self.axis_name, self.cfg
         m = coll.axis_size(axis_name)
         if self.bits is None:
@@ -301,6 +310,32 @@ class Exchange(NamedTuple):
             stored = error_feedback(e[None], h[None], sent[None], beta=self.error_beta, error_bits=self.error_bits,
                                     block_size=self.cfg.block_size, never=never)
         return mean, stored, (gathered, finish)
+
+    def sparse_mean(self, slice_f32, error=None, error_scale=None, never=False):
+        """The sparse exchange of this device's slice (docs/algorithms.md, "6. DiLoCo and Streaming DiLoCo",
+        the sparse exchange)::
+
+            a = beta e + Delta,   s = C(a),   e = a - s,   mean = (1/M) sum_m s^m
+
+        ``C`` keeps each chunk's top-k entries of ``a`` at the payload's bits (:mod:`loco_jax.sparse`); the
+        replicas' payloads travel in one ``uint8`` ``all_gather`` and every replica decodes and averages them
+        (entries a replica did not send count as zero). The accumulator ``e`` holds what was not sent (and
+        the values' rounding), decayed by ``beta`` (1: plain error feedback; below 1 it also stands in for
+        the outer momentum, SparseLoCo's rule: :func:`sparseloco_rule`); stored at ``error_bits`` (None:
+        fp32). Returns what :meth:`mean` does (no rotation: ``codes``' finish gives the mean itself).
+        """
+        m = coll.axis_size(self.axis_name)
+        e = quant.load(error, error_scale, self.error_bits, block_size=self.cfg.block_size)[0]
+        acc = loco_lib._rounded(self.error_beta * e, never) + slice_f32
+        payload, sent = self.sparse.encode(acc)
+        gathered = coll.on_own_stream(lambda: lax.all_gather(payload, self.axis_name, axis=0, to="invarying"))
+
+        def finish(g):  # (M, chunks, bytes) -> the mean of the M decoded slices
+            return self.sparse.decode(g).sum(axis=0) / m
+
+        new = quant.store((acc - loco_lib._rounded(sent, never))[None], self.error_bits,
+                          block_size=self.cfg.block_size)
+        return finish(gathered), new, (gathered, finish)
 
 
 def merge(plan, p, mean_delta, global_params, local, outer, outer_state, alpha, delivered):
@@ -351,6 +386,55 @@ def relayout_inflight(inflight, sizes, fragment, old_mesh, new_mesh, slice_len):
     return out.reshape(-1)
 
 
+# The values' format of a sparse exchange per bit width when ``format`` is None: the top-k entries of a chunk
+# all lie far from zero, so a format with a zero level wastes one (docs/results.md, "Sparse outer gradients").
+SPARSE_FORMATS = {1: "int", 2: "uniform", 4: "int", 8: "int"}
+
+
+def sparseloco_rule(lr: float = 1.0, beta: float = 0.95) -> dict:
+    """SparseLoCo's outer rule as ``diloco(...)`` arguments: the error-feedback accumulator, decayed by
+    ``beta``, takes the place of the outer momentum, and the outer step is plain SGD at ``lr``::
+
+        diloco.diloco(inner, sync_every=30, bits=2, density=1 / 64, **diloco.sparseloco_rule())
+
+    The default rule (``outer=None``, ``error_decay=None``) is Nesterov SGD (lr 0.7, momentum 0.9) on the
+    decoded mean, with plain error feedback (``beta = 1``), as MuLoCo keeps it.
+    """
+    return dict(outer=optax.sgd(lr), error_decay=beta)
+
+
+def _resolve_exchange(bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk,
+                      index_bits):
+    """``(sparse config or None, format, compensate, rotate, error_decay, error_bits)`` of the exchange, the
+    None and "auto" settings resolved; refuses what a sparse exchange cannot be, naming the setting."""
+    if error_bits == "auto":
+        error_bits = 8 if density is None else None
+    if density is None:
+        if error_decay is not None:
+            raise ValueError(f"error_decay={error_decay} is the sparse accumulator's decay; set density, or use "
+                             "error_beta for the dense exchange's error buffer.")
+        resolved = settings(bits, preset, format=format, compensate=compensate, rotate=rotate)
+        return None, resolved["format"], resolved["compensate"], resolved["rotate"], None, error_bits
+    if error_decay is not None and (isinstance(error_decay, bool) or not isinstance(error_decay, (int, float))
+                                    or not 0.0 < error_decay <= 1.0):
+        raise ValueError(f"error_decay={error_decay!r} must lie in (0, 1] (1: plain error feedback; SparseLoCo "
+                         "uses 0.95).")
+    if bits is None:
+        raise ValueError(f"density={density} sends a sparse, quantized outer gradient: set bits (1, 2, 4 or 8).")
+    if mode != "all_gather":
+        raise ValueError(f"density={density}: the sparse exchange is an all_gather of every replica's entries; "
+                         f"mode={mode!r} is for dense payloads (use mode='all_gather').")
+    if rotate:
+        raise ValueError(f"density={density} with rotate=True: the sparse exchange picks entries in the "
+                         "parameters' own domain; leave rotate at None or False.")
+    if compensate is False:
+        raise ValueError(f"density={density} with compensate=False: without its error feedback the sparse "
+                         "exchange would drop what it does not send; leave compensate at None or True.")
+    format = settings(bits, density=density, format=format)["format"]
+    cfg = sparse_lib.sparse_config(density, chunk=chunk, bits=bits, format=format, index_bits=index_bits)
+    return cfg, format, True, False, 1.0 if error_decay is None else float(error_decay), error_bits
+
+
 def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, beta, error_bits, block_size,
               rotate=False):
     require_int("sync_every", sync_every)
@@ -391,8 +475,12 @@ SETTING_NAMES = tuple(REFERENCE)
 PRESETS = quant.PRESETS
 
 
-def settings(bits, preset="measured", **given):
-    """Resolved outer-exchange settings for ``bits``: ``given`` values that are not None, else the preset's."""
+def settings(bits, preset="measured", density=None, **given):
+    """Resolved outer-exchange settings for ``bits``: ``given`` values that are not None, else the preset's.
+    A sparse exchange (``density`` set): the values' format of :data:`SPARSE_FORMATS`, never rotated, always
+    compensated (its error feedback)."""
+    if density is not None:
+        return dict(format=given.get("format") or SPARSE_FORMATS.get(bits, "int"), rotate=False, compensate=True)
     out = quant.preset_settings(bits, preset, given, reference=REFERENCE, measured=MEASURED, what="outer-exchange")
     if bits is None:  # an exact exchange: nothing to rotate or compensate unless asked (and then refused)
         out.update({k: bool(given.get(k)) for k in ("rotate", "compensate")})
@@ -426,11 +514,15 @@ def diloco(
     mode: coll.Mode = "all_gather",
     block_size: int = quant.DEFAULT_BLOCK_SIZE,
     error_beta: float = 0.8,
-    error_bits: int | None = 8,
+    error_bits: int | None | str = "auto",
     strategy: frag.Strategy = "strided",
     labels=None,
     preset: quant.Preset = "measured",
     seed: int = 0,
+    density: float | None = None,
+    chunk: int = sparse_lib.DEFAULT_CHUNK,
+    index_bits: int | None = None,
+    error_decay: float | None = None,
 ) -> DiLoCo:
     """(Streaming) DiLoCo around ``inner``; see the module docstring for the maths.
 
@@ -456,13 +548,24 @@ def diloco(
       data_axis: mesh axis inside a replica whose devices hold identical
         parameters; each sends a 1/D slice. ``None`` or unbound: no slicing.
       mode: ``"all_gather"`` (default, one quantization) or ``"two_stage"``.
-      block_size, error_beta, error_bits: quantizer block and the error
-        buffer's moving-average weight and storage bits.
+      block_size, error_beta, error_bits: quantizer block, the dense error
+        buffer's moving-average weight, and the error buffer's storage bits
+        ("auto": 8 dense, None = fp32 sparse: an entry may wait ~1/density
+        rounds in the accumulator, and requantizing it every round adds up).
       strategy, labels: how fragments are formed (:func:`fragments.plan`).
       preset, seed: where None settings come from; the rotation's seed.
+      density: None (dense) or the fraction of each chunk's entries sent, in
+        (0, 1): the sparse exchange (:meth:`Exchange.sparse_mean`), ``bits``
+        per value (1, 2, 4 or 8; ``format`` None: :data:`SPARSE_FORMATS`),
+        always with its error feedback, never rotated, ``mode="all_gather"``.
+        SparseLoCo's outer rule: ``**sparseloco_rule()``.
+      chunk, index_bits: the sparse exchange's chunk (a power of two) and
+        position width (None: log2(chunk)); :func:`loco_jax.sparse.sparse_config`.
+      error_decay: the sparse accumulator's decay ``beta`` in (0, 1] (None:
+        1, plain error feedback): ``e <- beta e + Delta``.
     """
-    resolved = settings(bits, preset, format=format, compensate=compensate, rotate=rotate)
-    format, compensate, rotate = resolved["format"], resolved["compensate"], resolved["rotate"]
+    sparse_cfg, format, compensate, rotate, error_decay, error_bits = _resolve_exchange(
+        bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk, index_bits)
     _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, error_beta, error_bits, block_size,
               rotate)
     if rotate and bits is None:
@@ -473,7 +576,7 @@ def diloco(
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     inner = optax.with_extra_args_support(inner)
     ex = Exchange(axis_name, data_axis, bits, coll.QuantConfig(bits or 8, block_size, format, rotate, seed), mode,
-                  compensate, error_beta, error_bits)
+                  compensate, error_beta if sparse_cfg is None else error_decay, error_bits, sparse_cfg)
     schedule = dict(sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
 
     @functools.lru_cache(maxsize=8)

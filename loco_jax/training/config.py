@@ -44,6 +44,7 @@ ModelFields = _model_fields()
 
 
 ATTENTION = ("auto", "xla", "cudnn")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclasses.dataclass
@@ -84,8 +85,13 @@ class DataFields:
 
 @dataclasses.dataclass
 class OptimFields:
-    """Inner AdamW with linear warm-up and cosine decay."""
+    """The inner optimizer, with linear warm-up and cosine decay: ``name="adamw"``, or ``"muon"`` (optax's
+    Muon on the transformer blocks' matrices, AdamW with the same settings on the embedding, the norms and
+    the head; Muon's updates are scaled to AdamW's RMS (``consistent_rms=0.2``) so that ``lr`` carries
+    over, and its momentum is ``muon_beta``). Muon needs each matrix whole: not with ``mesh.fsdp``."""
 
+    name: str = "adamw"
+    muon_beta: float = 0.95
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -139,6 +145,13 @@ class DilocoFields:
     outer_momentum: float = 0.9
     mode: str = "all_gather"
     block_size: int = 256  # values per scale in the outer-gradient payload
+    # Sparse exchange (diloco.diloco(density=...)): each chunk's top density x chunk entries, their values at
+    # `bits`, with an fp32 error-feedback accumulator e <- error_decay e + Delta (None: 1). The outer rules:
+    # Nesterov (outer_momentum > 0, the default) on the decoded mean; SparseLoCo's (outer_momentum=0,
+    # outer_lr=1, error_decay=0.95): the decayed accumulator stands in for the momentum.
+    density: float | None = None
+    chunk: int = 4096
+    error_decay: float | None = None
 
 
 @dataclasses.dataclass
@@ -206,7 +219,8 @@ def resolve(cfg: Config, saved: dict | None = None) -> Config:
             if value is None and saved is not None:
                 value = saved[section][name]
             given[name] = value
-        for name, value in lib.settings(node.bits, node.preset, **given).items():
+        sparse = {"density": node.density} if section == "diloco" else {}
+        for name, value in lib.settings(node.bits, node.preset, **sparse, **given).items():
             setattr(node, name, value)
     return cfg
 
@@ -220,6 +234,10 @@ def with_reference_fields(saved: dict) -> dict:
         if f.name != "attention_impl" and f.default is not dataclasses.MISSING:
             model.setdefault(f.name, f.default)
     saved.setdefault("loco", {}).setdefault("in_backward", False)  # before loco.in_backward: after the backward
+    for name, value in (("density", None), ("chunk", 4096), ("error_decay", None)):  # before the sparse exchange
+        saved.setdefault("diloco", {}).setdefault(name, value)
+    for name, value in (("name", "adamw"), ("muon_beta", 0.95)):  # before optim.name: AdamW
+        saved.setdefault("optim", {}).setdefault(name, value)
     for section, names in RESOLVED_FIELDS.items():
         node = saved.setdefault(section, {})
         node.setdefault("preset", "measured")
@@ -349,6 +367,11 @@ def validate(cfg: Config):
         raise ValueError(f"nonfinite={cfg.nonfinite!r} must be 'skip' or 'stop'.")
     if cfg.elastic_inner_state not in ("copy", "reset"):
         raise ValueError(f"elastic_inner_state={cfg.elastic_inner_state!r} must be 'copy' or 'reset'.")
+    if cfg.optim.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name={cfg.optim.name!r} is unknown; choose one of {OPTIMIZERS}.")
+    if cfg.optim.name == "muon" and cfg.mesh.fsdp:
+        raise ValueError("optim.name='muon' orthogonalizes each weight matrix whole, and mesh.fsdp=true shards "
+                         "them over the data devices; use mesh.fsdp=false with Muon, or optim.name='adamw'.")
     model = dataclasses.asdict(cfg.model)
     del model["attention"]
     shapes.ModelConfig(**model)  # the model's own checks (dimensions, dtypes), before any device starts

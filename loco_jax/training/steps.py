@@ -46,6 +46,28 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
+def muon_dims(params):
+    """Which leaves Muon orthogonalizes, and how: the transformer blocks' matrices (a scanned stack's leading
+    layer axis is a batch axis); None (AdamW) for the embedding, the head and every norm scale."""
+    def one(path, x):
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        if "layers" in keys and keys[-1] == "kernel" and x.ndim >= 2:
+            return optax.contrib.MuonDimensionNumbers(reduction_axis=x.ndim - 2, output_axis=x.ndim - 1)
+        return None
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def inner_update_rule(cfg: config_lib.Config) -> optax.GradientTransformation:
+    """The inner optimizer's update (after LoCo and clipping): AdamW, or Muon on the blocks' matrices with
+    AdamW on the rest (config.OptimFields)."""
+    o = cfg.optim
+    if o.name == "muon":
+        return optax.contrib.muon(
+            learning_rate_schedule(cfg), beta=o.muon_beta, weight_decay=o.weight_decay, adam_b1=o.b1, adam_b2=o.b2,
+            adam_weight_decay=o.weight_decay, muon_weight_dimension_numbers=muon_dims, consistent_rms=0.2)
+    return optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
+
+
 def learning_rate_schedule(cfg: config_lib.Config):
     """Linear warm-up to ``optim.lr``, cosine decay to ``lr * min_lr_ratio`` at ``steps``.
 
@@ -98,7 +120,7 @@ def make_optimizer(cfg: config_lib.Config, shard_dims=None, norm_dims=None, grou
             parts.append(fsdp.clip_by_global_norm(o.grad_clip, "data", slice_dims=norm_dims))
         else:
             parts.append(optax.clip_by_global_norm(o.grad_clip))
-    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+    parts.append(inner_update_rule(cfg))
     inner = optax.chain(*parts)
     d = cfg.diloco
     if not d.enabled:
@@ -108,6 +130,7 @@ def make_optimizer(cfg: config_lib.Config, shard_dims=None, norm_dims=None, grou
         inner, sync_every=d.sync_every, outer=outer, num_fragments=d.num_fragments, overlap=d.overlap,
         alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, rotate=d.rotate, mode=d.mode,
         block_size=d.block_size, preset=d.preset, seed=cfg.seed, data_axis=None if sharded else "data",
+        density=d.density, chunk=d.chunk, error_decay=d.error_decay,
     )
 
 

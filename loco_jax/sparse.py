@@ -1,0 +1,158 @@
+"""Sparse low-bit payloads: the ``k`` largest entries of every chunk, their values at a few bits, their
+positions packed (the SparseLoCo class of outer-gradient exchanges; docs/algorithms.md, "6. DiLoCo and
+Streaming DiLoCo", the sparse exchange).
+
+A flat fp32 vector of ``n = N C`` values is cut into ``N`` chunks of ``C`` values (a power of two). In each
+chunk ``c``::
+
+    I_c  = the k positions of largest |x_c[i]|               (ties: the lower position first)
+    s_c, q_c = Q_b(x_c[I_c])                                  (one block of k values, one fp32 scale)
+    payload_c = pack_w(I_c) | pack_b(q_c) | s_c               (w = index_bits >= log2 C)
+    decode:  y_c[i] = DQ_b(q_c, s_c)[j]  where i = I_c[j],  0 elsewhere
+
+so every chunk's payload has the same static size, ``k (w + b) / 8`` bytes rounded up to whole bytes for
+each part, plus 4 bytes of scale, and a vector's payload is an ``(N, bytes)`` ``uint8`` array that one
+``all_gather`` moves. Bits per value of the dense vector: ``(k (w + b) + 32) / C`` (``C = 4096, k = 64,
+w = 12, b = 2``: 0.227). A chunk holding NaN or Inf gets a NaN scale, so its decoded values are NaN and a
+mean over replicas shows it (the exchange then drops the round, as the dense exchange does).
+
+Values use the project's quantizers (:func:`loco_jax.quant.quantize`; any format of
+:data:`loco_jax.quant.FORMATS` at its bit widths); positions are a fixed-width code, little-endian in a bit
+stream (:func:`pack_bits`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+
+from loco_jax import quant
+from loco_jax.checks import is_int, require_int
+
+DEFAULT_CHUNK = 4096
+
+
+def pack_bits(values, width: int):
+    """Unsigned ``width``-bit integers along the last axis as one little-endian bit stream in ``uint8``
+    (value ``i``'s bit ``j`` is stream bit ``i width + j``), zero-padded to whole bytes:
+    ``ceil(n width / 8)`` bytes per row. Inverse: :func:`unpack_bits`."""
+    n = values.shape[-1]
+    v = values.astype(jnp.uint32)[..., None]
+    bits = ((v >> jnp.arange(width, dtype=jnp.uint32)) & 1).astype(jnp.uint8)
+    bits = bits.reshape(*values.shape[:-1], n * width)
+    bits = jnp.pad(bits, [(0, 0)] * (bits.ndim - 1) + [(0, -(n * width) % 8)])
+    grouped = bits.reshape(*bits.shape[:-1], -1, 8)
+    return jnp.sum(grouped << jnp.arange(8, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
+
+
+def unpack_bits(packed, width: int, n: int):
+    """The ``n`` ``width``-bit values (``uint32``) of each row of :func:`pack_bits`' output."""
+    bits = (packed[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+    bits = bits.reshape(*packed.shape[:-1], -1)[..., : n * width].reshape(*packed.shape[:-1], n, width)
+    return jnp.sum(bits.astype(jnp.uint32) << jnp.arange(width, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+
+
+class SparseConfig(NamedTuple):
+    """A top-``k``-per-chunk payload: ``chunk`` values per chunk, ``k`` kept, values at ``bits`` in
+    ``format``, positions at ``index_bits``. Build it with :func:`sparse_config` (which checks it)."""
+
+    chunk: int
+    k: int
+    bits: int
+    format: str
+    index_bits: int
+
+    @property
+    def density(self) -> float:
+        return self.k / self.chunk
+
+    def chunk_bytes(self) -> tuple[int, int, int]:
+        """Bytes of one chunk's positions, values and scale."""
+        return -(-self.k * self.index_bits // 8), -(-self.k * self.bits // 8), 4
+
+    def payload_bytes(self, n: int) -> int:
+        """Bytes of the payload of ``n`` values (a whole number of chunks)."""
+        return (n // self.chunk) * sum(self.chunk_bytes())
+
+    def bits_per_value(self) -> float:
+        """Wire bits per value of the dense vector."""
+        return 8 * sum(self.chunk_bytes()) / self.chunk
+
+    def select(self, x):
+        """``(positions (N, k) int32, values (N, k) fp32, finite (N,))`` of a flat ``x`` of ``N C`` values:
+        each chunk's ``k`` entries of largest magnitude."""
+        chunks = x.reshape(-1, self.chunk)
+        finite = jnp.all(jnp.isfinite(chunks), axis=-1)
+        _, positions = lax.top_k(jnp.abs(jnp.where(finite[:, None], chunks, 0.0)), self.k)
+        return positions, jnp.take_along_axis(chunks, positions, axis=-1), finite
+
+    def encode(self, x):
+        """``(payload (N, bytes) uint8, sent (N C,) fp32)`` of a flat fp32 ``x``: ``sent`` is what the
+        payload decodes to (for error feedback), computed without unpacking it."""
+        positions, values, finite = self.select(x)
+        codes, scales = quant.quantize(values, self.bits, format=self.format)
+        scales = jnp.where(finite, scales, jnp.nan)
+        payload = jnp.concatenate([pack_bits(positions, self.index_bits), pack_bits(codes, self.bits),
+                                   lax.bitcast_convert_type(scales, jnp.uint8)], axis=-1)
+        decoded = quant.dequantize(codes, scales, self.bits, format=self.format)
+        return payload, self._scatter(positions, decoded).reshape(-1)
+
+    def decode(self, payload):
+        """The dense fp32 values ``(..., N C)`` of payloads ``(..., N, bytes)``."""
+        pos_bytes, val_bytes, _ = self.chunk_bytes()
+        positions = unpack_bits(payload[..., :pos_bytes], self.index_bits, self.k).astype(jnp.int32)
+        codes = unpack_bits(payload[..., pos_bytes:pos_bytes + val_bytes], self.bits, self.k).astype(jnp.uint8)
+        scales = lax.bitcast_convert_type(payload[..., pos_bytes + val_bytes:], jnp.float32)
+        values = quant.dequantize(codes, scales, self.bits, format=self.format)
+        lead = payload.shape[:-1]
+        dense = self._scatter(positions.reshape(-1, self.k), values.reshape(-1, self.k))
+        return dense.reshape(*lead[:-1], lead[-1] * self.chunk)
+
+    def _scatter(self, positions, values):
+        """``(rows, C)`` zeros with ``values`` written at ``positions`` (distinct within a row)."""
+        rows = jnp.arange(positions.shape[0])[:, None]
+        return jnp.zeros((positions.shape[0], self.chunk), jnp.float32).at[rows, positions].set(
+            values, unique_indices=True)
+
+
+def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, format: quant.Format = "int",
+                  index_bits: int | None = None) -> SparseConfig:
+    """A checked :class:`SparseConfig`: ``k = round(density C)`` entries of every ``C = chunk`` values.
+
+    ``density`` in (0, 1); ``chunk`` a power of two >= 2; ``k`` in [1, C); ``bits`` one of ``format``'s
+    widths (:data:`loco_jax.quant.FORMAT_BITS`); ``index_bits`` (None: ``log2 C``) wide enough for a
+    position in the chunk, at most 32.
+    """
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density < 1.0:
+        raise ValueError(f"density={density!r} must lie in (0, 1): the fraction of each chunk's entries sent.")
+    require_int("chunk", chunk, "a power of two >= 2", minimum=2)
+    if chunk & (chunk - 1):
+        raise ValueError(f"chunk={chunk} must be a power of two (e.g. {1 << (chunk.bit_length() - 1)} or "
+                         f"{1 << chunk.bit_length()}), so that a position fits log2(chunk) bits.")
+    k = round(density * chunk)
+    if not 1 <= k < chunk:
+        raise ValueError(f"density={density} keeps k = round({density} x {chunk}) = {k} entries of a "
+                         f"{chunk}-entry chunk; k must lie in [1, {chunk - 1}]: use a density in "
+                         f"[{1 / chunk:.3g}, {(chunk - 1) / chunk:.6g}] or another chunk.")
+    if format not in quant.FORMATS:
+        raise ValueError(f"format={format!r} is unknown; choose one of {quant.FORMATS}.")
+    if not is_int(bits) or bits not in quant.FORMAT_BITS[format]:
+        raise ValueError(f"bits={bits!r}: format {format!r} takes {quant.FORMAT_BITS[format]} bits per value.")
+    need = int(math.log2(chunk))
+    index_bits = need if index_bits is None else index_bits
+    if not is_int(index_bits) or not need <= index_bits <= 32:
+        raise ValueError(f"index_bits={index_bits!r} cannot hold a position in a {chunk}-entry chunk: it must "
+                         f"be an int in [{need}, 32] (log2({chunk}) = {need}).")
+    return SparseConfig(chunk, k, bits, format, index_bits)
+
+
+def topk_sparsify(x, cfg: SparseConfig):
+    """``C(x)``: the flat ``x`` as its payload decodes (the chunks' top-k entries at ``cfg.bits``, zeros
+    elsewhere), for tests and error budgets; ``x.size`` a multiple of ``cfg.chunk``."""
+    return cfg.encode(jnp.asarray(x, jnp.float32).reshape(-1))[1]
+
+
+__all__ = ["DEFAULT_CHUNK", "SparseConfig", "pack_bits", "sparse_config", "topk_sparsify", "unpack_bits"]

@@ -1,0 +1,226 @@
+"""The sparse payload (loco_jax.sparse) and DiLoCo's sparse outer exchange, against NumPy re-derivations."""
+
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from loco_jax import diloco, hlo, quant, sparse
+from tests.helpers import DEVICES, per_device, put
+from tests.test_trainer import text_file  # noqa: F401 (a fixture)
+from tests.test_diloco import D, M, Run, _plain_inner, inner_adamw, local, make_data, make_params
+
+
+def distinct(n, seed=0):
+    """``n`` values of distinct magnitudes (no ties in a top-k), heavy-tailed like outer gradients."""
+    rng = np.random.RandomState(seed)
+    x = rng.randn(n) * np.exp(rng.randn(n))
+    return (x + np.sign(x) * np.arange(n) * 1e-7).astype(np.float32)
+
+
+def numpy_sparse(x, cfg):
+    """C(x) in NumPy: each chunk's k entries of largest |x| (argsort), their values through the project's
+    quantizer (tested against NumPy in test_quant), zeros elsewhere."""
+    chunks = np.asarray(x, np.float32).reshape(-1, cfg.chunk)
+    out = np.zeros_like(chunks)
+    for c, row in enumerate(chunks):
+        keep = np.argsort(-np.abs(row), kind="stable")[: cfg.k]
+        codes, scales = quant.quantize(jnp.asarray(row[keep])[None], cfg.bits, format=cfg.format)
+        out[c, keep] = np.asarray(quant.dequantize(codes, scales, cfg.bits, format=cfg.format))[0]
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 12, 13, 16])
+def test_bit_packing_round_trips_and_is_a_little_endian_stream(width):
+    rng = np.random.RandomState(width)
+    values = rng.randint(0, 2**width, size=(3, 37)).astype(np.uint32)
+    packed = sparse.pack_bits(jnp.asarray(values), width)
+    assert packed.dtype == jnp.uint8 and packed.shape == (3, -(-37 * width // 8))
+    np.testing.assert_array_equal(sparse.unpack_bits(packed, width, 37), values)
+    stream = "".join(format(int(v), f"0{width}b")[::-1] for v in values[0])  # value i's bit j at i * width + j
+    stream += "0" * (-len(stream) % 8)
+    want = [int(stream[i:i + 8][::-1], 2) for i in range(0, len(stream), 8)]
+    np.testing.assert_array_equal(np.asarray(packed[0]), want)
+
+
+@pytest.mark.parametrize("density,bits,fmt", [(64 / 4096, 2, "uniform"), (16 / 1024, 4, "int"), (0.03, 1, "int"),
+                                              (8 / 256, 8, "int")])
+def test_encode_keeps_each_chunks_top_k_at_b_bits_and_decodes_to_what_it_sent(density, bits, fmt):
+    chunk = 4096 if density == 64 / 4096 else (1024 if bits == 4 else (4096 if bits == 1 else 256))
+    cfg = sparse.sparse_config(density, chunk=chunk, bits=bits, format=fmt)
+    x = distinct(cfg.chunk * 5)
+    payload, sent = cfg.encode(jnp.asarray(x))
+    assert payload.dtype == jnp.uint8 and payload.shape == (5, sum(cfg.chunk_bytes()))
+    np.testing.assert_array_equal(np.asarray(cfg.decode(payload)), np.asarray(sent))  # the wire is exact
+    want = numpy_sparse(x, cfg)
+    np.testing.assert_array_equal(np.asarray(sent) != 0, want != 0)  # the same positions
+    np.testing.assert_allclose(np.asarray(sent), want, rtol=1e-6)  # the same values (up to a fused rounding)
+    assert np.count_nonzero(np.asarray(sent).reshape(5, -1), axis=1).max() <= cfg.k
+    # several payloads at once (the replicas' gathered payloads): a leading axis
+    both = cfg.decode(jnp.stack([payload, payload]))
+    assert both.shape == (2, x.size)
+
+
+def test_bits_per_value_at_the_issues_density():
+    cfg = sparse.sparse_config(64 / 4096, bits=2)  # 1.56 %, 12-bit positions, 2-bit values, a scale per chunk
+    assert cfg.k == 64 and cfg.index_bits == 12 and cfg.chunk_bytes() == (96, 16, 4)
+    assert cfg.bits_per_value() == (64 * 14 + 32) / 4096 <= 0.30
+    assert cfg.payload_bytes(4096 * 10) == 10 * 116
+
+
+def test_a_nonfinite_chunk_decodes_to_nan_and_only_that_chunk():
+    cfg = sparse.sparse_config(0.25, chunk=16, bits=2)
+    x = distinct(64)
+    x[20] = np.inf
+    payload, sent = cfg.encode(jnp.asarray(x))
+    decoded = np.asarray(cfg.decode(payload)).reshape(4, 16)
+    assert np.isnan(decoded[1][decoded[1] != 0]).all() and np.isnan(decoded[1]).any()
+    assert np.isfinite(decoded[[0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(density=0.0), "density=0.0 must lie in \\(0, 1\\)"),
+    (dict(density=1.0), "must lie in \\(0, 1\\)"),
+    (dict(density=True), "must lie in \\(0, 1\\)"),
+    (dict(density=0.01, chunk=1000), "chunk=1000 must be a power of two"),
+    (dict(density=0.0001, chunk=256), "k = round\\(0.0001 x 256\\) = 0"),
+    (dict(density=0.999, chunk=256), "k must lie in \\[1, 255\\]"),
+    (dict(density=0.01, index_bits=8), "index_bits=8 cannot hold a position in a 4096-entry chunk"),
+    (dict(density=0.01, bits=3), "bits=3"),
+    (dict(density=0.01, format="e3m0", bits=2), "format 'e3m0' takes"),
+])
+def test_bad_sparse_settings_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sparse.sparse_config(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(density=1.5, bits=2), "density=1.5 must lie in"),
+    (dict(density=0.01, bits=2, chunk=3000), "chunk=3000 must be a power of two"),
+    (dict(density=0.01, bits=None), "set bits"),
+    (dict(density=0.01, bits=2, mode="two_stage"), "mode='two_stage'"),
+    (dict(density=0.01, bits=2, rotate=True), "rotate=True"),
+    (dict(density=0.01, bits=2, compensate=False), "compensate=False"),
+    (dict(density=0.01, bits=2, error_decay=0.0), "error_decay=0.0 must lie in \\(0, 1\\]"),
+    (dict(density=0.01, bits=2, error_decay=1.5), "error_decay=1.5"),
+    (dict(bits=4, error_decay=0.9), "set density"),
+])
+def test_diloco_refuses_bad_sparse_settings_before_anything_compiles(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        diloco.diloco(optax.sgd(0.1), sync_every=4, **kwargs)
+
+
+@pytest.mark.parametrize("decay,error_bits", [(1.0, None), (0.9, None), (0.95, 8)])
+def test_the_sparse_exchange_is_the_mean_of_every_replicas_top_k_with_error_feedback(mesh, decay, error_bits):
+    """One exchange on the (2, 4) mesh: each device's slice, a = beta e + Delta, sends C(a), keeps a - C(a);
+    the mean is (1/M) sum_m C(a_m) on every replica (NumPy re-derivation)."""
+    cfg = sparse.sparse_config(1 / 16, chunk=256, bits=2, format="uniform")
+    ex = diloco.Exchange("replica", "data", 2, diloco.coll.QuantConfig(2, 256, "uniform"), "all_gather", True,
+                         decay, error_bits, cfg)
+    k = 2 * 256  # this device's slice: 2 chunks
+    deltas = np.stack([distinct(k, seed=s) for s in range(M * D)]).reshape(M, D, k)
+    errors = np.stack([distinct(k, seed=100 + s) * 0.3 for s in range(M * D)]).reshape(M, D, k)
+    stored = [quant.store(jnp.asarray(e)[None], error_bits) for e in errors.reshape(M * D, k)]
+    codes = jnp.stack([s[0] for s in stored])
+    scales = None if error_bits is None else jnp.stack([s[1] for s in stored])
+
+    def body(delta, e, s):
+        mean, new, _ = ex.mean(delta[0], 0, e[0], None if s is None else s[0])
+        return mean, quant.load(new[0], new[1], error_bits)[0]
+
+    specs = (P(DEVICES), P(DEVICES), None if scales is None else P(DEVICES))
+    args = [put(mesh, a, P(DEVICES)) if a is not None else None for a in (deltas.reshape(M * D, k), codes, scales)]
+    mean, new = per_device(mesh, body, *args, in_specs=specs)
+    loaded = np.stack([np.asarray(quant.load(c, None if scales is None else scales[i], error_bits))[0]
+                       for i, c in enumerate(codes)]).reshape(M, D, k)
+    acc = (np.float32(decay) * loaded + deltas).astype(np.float32)
+    sent = np.stack([[numpy_sparse(acc[m, d], cfg) for d in range(D)] for m in range(M)])
+    want_mean = sent.mean(axis=0)
+    got_mean = np.asarray(mean).reshape(M, D, k)
+    for m in range(M):
+        np.testing.assert_allclose(got_mean[m], want_mean, rtol=1e-6, atol=1e-7)
+    want_error = (acc - sent).reshape(M * D, k)
+    # fp32: a kept entry's error is a difference of two close values (a few ulps of |a|); 8 bits: half a step
+    atol = 1e-6 * np.abs(acc).max() if error_bits is None else 0.51 * np.abs(want_error).max() / 127
+    np.testing.assert_allclose(np.asarray(new), want_error, rtol=1e-6, atol=atol)
+
+
+def test_diloco_sparse_sends_uint8_chunks_and_moves_each_fragment_by_at_most_m_k_entries_per_chunk(mesh):
+    """End to end (H = 6, 3 fragments, overlap 1, SparseLoCo's rule: plain SGD at lr 1 on the mean): only
+    uint8 crosses ``replica``, in the bytes of the slice's chunks, and each apply moves a fragment's global
+    parameters by the decoded mean, which has at most M k non-zeros per chunk."""
+    width = 512
+    rule = diloco.sparseloco_rule(lr=1.0, beta=0.95)
+    tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=1, bits=2, density=1 / 64, chunk=256,
+                       **rule)
+    run = Run(mesh, tx, width=width)
+    xs, ys = make_data(9)
+    x0, y0 = put(mesh, xs[0], P(DEVICES)), put(mesh, ys[0], P(DEVICES))
+    report = hlo.collective_bytes(run.program(tx.phase(7)).lower(run.params, run.state, x0, y0).compile())
+    over_replica = [op for op in report.ops if op.group_size == M]
+    assert over_replica and {op.dtype for op in over_replica} == {"u8"}, report.table()
+    plan = tx.plan(make_params(width=width))
+    size0 = plan.fragment_sizes()[0]
+    k = -(-size0 // D // 256) * 256
+    cfg = sparse.sparse_config(1 / 64, chunk=256, bits=2, format=diloco.SPARSE_FORMATS[2])
+    assert sum(op.total_bytes for op in over_replica) == (M - 1) * cfg.payload_bytes(k), report.table()
+    quiet = hlo.collective_bytes(run.program(tx.phase(2)).lower(run.params, run.state, x0, y0).compile())
+    assert not [op for op in quiet.ops if op.group_size == M]
+
+    before = None
+    for t in range(1, 10):
+        if t == 7:
+            before = np.asarray(plan.extract(diloco.global_params(run.state), 0))
+        run.step(t, xs[t - 1], ys[t - 1])
+    moved = np.asarray(plan.extract(diloco.global_params(run.state), 0)) - before
+    assert np.count_nonzero(moved) > 0
+    padded = np.pad(moved, (0, k * D - moved.size)).reshape(-1, 256)
+    assert np.count_nonzero(padded, axis=1).max() <= M * cfg.k
+    # error buffers: fp32, one per fragment, changed by fragment 0's round and fragment 1's (step 9)
+    assert all(e.dtype == jnp.float32 for e in run.state.error) and np.abs(np.asarray(run.state.error[0])).sum() > 0
+    chex.assert_trees_all_equal(np.asarray(run.state.error[2]), np.zeros_like(np.asarray(run.state.error[2])))
+
+
+def test_diloco_sparse_with_identical_replicas_and_alpha_one_reproduces_the_inner_optimizer(mesh):
+    """alpha = 1 keeps the local parameters: whatever the sparse exchange sends, the replicas train as the
+    inner optimizer alone (the exchange touches only the global state)."""
+    tx = diloco.diloco(inner_adamw(), sync_every=4, num_fragments=2, overlap=1, alpha=1.0, bits=2, density=1 / 8,
+                       chunk=16)
+    run = Run(mesh, tx)
+    xs, ys = make_data(9, same_on_replicas=True)
+    for t in range(1, 10):
+        run.step(t, xs[t - 1], ys[t - 1])
+    want = _plain_inner(xs, ys, 9, optax.adamw(0.02, b1=0.9, b2=0.95, weight_decay=0.1))
+    for r in range(M):
+        chex.assert_trees_all_close(local(run.params, r), want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("sets", [
+    {"mesh.fsdp": True, "diloco.overlap": 2, "diloco.num_fragments": 2},  # each device its own shard; in flight
+    {"diloco.outer_momentum": 0.0, "diloco.outer_lr": 1.0, "diloco.error_decay": 0.95},  # SparseLoCo's rule
+], ids=["fsdp-overlap2", "sparseloco-rule"])
+def test_the_trainer_with_a_sparse_exchange_learns_and_resumes_bit_identically(text_file, tmp_path, sets):  # noqa: F811
+    from loco_jax.training.loop import train_and_evaluate
+    from loco_jax.training.metrics import read_metrics
+    from tests.test_trainer import small_config
+
+    sets = dict(sets, **{"diloco.density": 1 / 64, "diloco.chunk": 256, "diloco.bits": 2})
+    quiet = lambda *_: None
+    straight = train_and_evaluate(small_config(text_file, **sets), str(tmp_path / "a"), log=quiet)
+    losses = [r["loss"] for r in read_metrics(str(tmp_path / "a")) if "loss" in r]
+    assert losses[-1] < losses[0]
+    with open(tmp_path / "a" / "config.json") as f:
+        recorded = json.load(f)["diloco"]  # the resolved settings: the values' format, no rotation, compensated
+    assert (recorded["format"], recorded["rotate"], recorded["compensate"]) == (diloco.SPARSE_FORMATS[2], False, True)
+    errors = straight["state"].opt_state.error
+    assert errors and all(e.dtype == jnp.float32 for e in errors) and any(np.abs(np.asarray(e)).sum() > 0 for e in errors)
+    resumed_dir = str(tmp_path / "b")
+    train_and_evaluate(small_config(text_file, **sets), resumed_dir, log=quiet, stop_after=7)
+    resumed = train_and_evaluate(small_config(text_file, **sets), resumed_dir, log=quiet)
+    for a, b in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight["state"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

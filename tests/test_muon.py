@@ -1,0 +1,55 @@
+"""Muon as the inner optimizer (optim.name="muon"): which leaves it takes, the trainer with it, and its limits."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from loco_jax.training import config as config_lib
+from loco_jax.training import model as model_lib
+from loco_jax.training import steps
+from tests.test_trainer import small_config, text_file  # noqa: F401 (a fixture)
+
+quiet = lambda *_: None
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_muon_takes_the_blocks_matrices_and_leaves_embedding_head_and_norms_to_adamw(scan):
+    shapes = model_lib.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                                   scan_layers=scan).shapes()
+    dims = steps.muon_dims(shapes)
+    flat = {jax.tree_util.keystr(p): d for p, d in jax.tree_util.tree_flatten_with_path(
+        dims, is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers))[0]}
+    muon = sorted(k for k, d in flat.items() if d is not None)
+    assert len(muon) == 7 * (1 if scan else 2)  # wq wk wv wo w_gate w_up w_down per block
+    assert all("layers" in k and "kernel" in k for k in muon)
+    for k in ("['embed']['embedding']", "['lm_head']['kernel']", "['final_norm']['scale']"):
+        assert flat[k] is None, k
+    nd = 3 if scan else 2  # a scanned stack's layer axis is a batch axis
+    assert {(d.reduction_axis, d.output_axis) for d in flat.values() if d is not None} == {(nd - 2, nd - 1)}
+
+
+def test_the_trainer_with_muon_inside_diloco_learns_and_resumes_bit_identically(text_file, tmp_path):  # noqa: F811
+    from loco_jax.training.loop import train_and_evaluate
+    from loco_jax.training.metrics import read_metrics
+
+    sets = {"optim.name": "muon", "diloco.density": 1 / 64, "diloco.chunk": 256, "diloco.bits": 2}
+    straight = train_and_evaluate(small_config(text_file, **sets), str(tmp_path / "a"), log=quiet)
+    losses = [r["loss"] for r in read_metrics(str(tmp_path / "a")) if "loss" in r]
+    assert losses[-1] < losses[0]
+    adamw = train_and_evaluate(small_config(text_file, **dict(sets, **{"optim.name": "adamw"})),
+                               str(tmp_path / "c"), log=quiet)
+    assert not np.array_equal(np.asarray(jax.tree.leaves(straight["state"].params)[0]),
+                              np.asarray(jax.tree.leaves(adamw["state"].params)[0]))
+    resumed_dir = str(tmp_path / "b")
+    train_and_evaluate(small_config(text_file, **sets), resumed_dir, log=quiet, stop_after=7)
+    resumed = train_and_evaluate(small_config(text_file, **sets), resumed_dir, log=quiet)
+    for a, b in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight["state"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_optimizer_settings_are_refused_by_name(text_file):  # noqa: F811
+    with pytest.raises(ValueError, match="optim.name='sgd' is unknown"):
+        config_lib.validate(small_config(text_file, **{"optim.name": "sgd"}))
+    with pytest.raises(ValueError, match="mesh.fsdp=true shards"):
+        config_lib.validate(small_config(text_file, **{"optim.name": "muon", "mesh.fsdp": True}))

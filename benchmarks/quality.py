@@ -140,7 +140,16 @@ def _resolved_key(overrides) -> str:  # the reports ask for every cell's directo
 _ANY = object()
 # Config fields added after cells were run, at the values that reproduce those runs, and fields that only
 # shape the output: left out of the key, so adding them does not orphan finished cells.
-_UNKEYED = {"sample_tokens": _ANY, "data.sp_model": None, "data.require_path": None}
+_UNKEYED = {"sample_tokens": _ANY, "data.sp_model": None, "data.require_path": None,
+            "model.attention": _ANY,  # how the step computes, not what it trains (XLA's on every CPU cell)
+            "loco.in_backward": False,  # LoCo after the backward pass, as every cell ran it
+            "micro_batch": None,  # accum_steps as given
+            # the model's own fields, in the config since issue 29, at the values every cell ran with
+            "model.rope_theta": 10000.0, "model.norm_eps": 1e-5, "model.param_dtype": "float32",
+            "model.init_std": 0.02,
+            # the sparse exchange and the inner optimizer's choice (issue 30), off / AdamW before
+            "diloco.density": None, "diloco.chunk": 4096, "diloco.error_decay": None, "optim.name": "adamw",
+            "optim.muon_beta": 0.95}
 
 
 def cell_dir(name, overrides=None) -> str:

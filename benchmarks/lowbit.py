@@ -5,6 +5,7 @@
     python benchmarks/lowbit.py --group final       # seeds 1-3: full precision, the defaults, naive
     python benchmarks/lowbit.py --group noise       # seeds 1-3: 8-bit, the paired gap's noise floor
     python benchmarks/lowbit.py --group diloco      # Streaming DiLoCo's 4-, 2- and 1-bit outer exchange
+    python benchmarks/lowbit.py --group text2       # the 4-/2-bit defaults and naive on a second text, seeds 1-2
     python benchmarks/lowbit.py --report            # tables and plots from the finished cells
 
 Same model, data, steps (480), batch (16 x 64), learning rate and clipping as
@@ -30,7 +31,7 @@ import statistics
 import sys
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not benchmarks/
-from benchmarks import common, quality  # noqa: E402
+from benchmarks import common, quality, second_text  # noqa: E402
 
 HEADING = "## Low-bit quality: formats, rotation, compensation (benchmarks/lowbit.py)"
 FINAL_SEEDS = (1, 2, 3)
@@ -128,6 +129,16 @@ def cells() -> dict[str, tuple[str, list[str]]]:
                 out[f"flipped{b}_s{s}"] = ("final", _seed(s) + [f"loco.bits={b}"] + _flipped(b))
         # the noise floor of a paired gap: 8-bit int absmax (within rounding of fp32 in one step) on the same seeds
         out[f"int8_s{s}"] = ("noise", _seed(s) + ["loco.bits=8"])
+    # issue 30: the 4- and 2-bit defaults against naive in their own format on a second text (the King James
+    # Bible, benchmarks/second_text.py), seeds 1-2, and naive on Shakespeare's seed 2 to pair with it
+    text2 = [f"data.path={os.path.relpath(second_text.OUT, common.ROOT)}"]
+    for s in (1, 2):
+        out[f"kjv_fp32_s{s}"] = ("text2", _seed(s) + text2)
+        for b in (4, 2):
+            out[f"kjv_default{b}_s{s}"] = ("text2", _seed(s) + text2 + [f"loco.bits={b}"])
+            out[f"kjv_flipped{b}_s{s}"] = ("text2", _seed(s) + text2 + [f"loco.bits={b}"] + _flipped(b))
+            if s == 2:
+                out[f"flipped{b}_s{s}"] = ("text2", _seed(s) + [f"loco.bits={b}"] + _flipped(b))
     for m in (2, 4):
         out[f"m{m}_stream_fp32"] = ("diloco", _seed(0) + _stream(m))
     for name, bits, fmt, rot, comp in DILOCO_SELECT:  # M = 2: the candidates diloco.MEASURED is chosen from
@@ -303,7 +314,7 @@ def report(no_write, extra_args):
 
 
 def main():
-    quality.cli(__doc__, ("select", "final", "noise", "diloco"), cells(), report)
+    quality.cli(__doc__, ("select", "final", "noise", "diloco", "text2"), cells(), report)
 
 
 if __name__ == "__main__":

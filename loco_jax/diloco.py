@@ -497,6 +497,126 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
     """
 
 
+class OuterLoop(NamedTuple):
+    """What :func:`diloco` builds: its settings, and the transformation's ``init`` and ``update`` as methods
+    (the inner step, one phase's step, the phase choice). ``plan_of(params)`` is the fragment plan."""
+
+    inner: optax.GradientTransformationExtraArgs
+    outer: optax.GradientTransformation
+    ex: Exchange
+    num_fragments: int
+    overlap: int
+    alpha: float
+    schedule: dict  # sync_every, num_fragments, overlap: the arguments of phase() and schedule_phases()
+    plan_of: Any
+
+    def init(self, params):
+        """The state: inner state per replica, global parameters (the replicas' mean), one outer state per
+        fragment, step counts, the in-flight slot and the error buffers (module docstring)."""
+        specs.require_axis(self.ex.axis_name, "diloco")
+        plan = self.plan_of(params)
+        d, m = self.ex.data_size(), coll.axis_size(self.ex.axis_name)
+        global_params = jax.tree.map(lambda x: lax.pmean(x, self.ex.axis_name), params)
+        outer_states = tuple(self.outer.init(plan.select(global_params, p)) for p in range(self.num_fragments))
+        k = [self.ex.slice_len(s, d, m) for s in plan.fragment_sizes()]
+        device_axes = specs.manual_axes()
+        # only tau >= 2 holds a mean across steps (1: orbax saves no empty array)
+        held = max(k) if self.overlap >= 2 else 1
+        # the slot holds this device's slice: varying over the sliced axis, and over any axis the parameters
+        # themselves vary over besides the replica axis (FSDP shards)
+        slot_axes = set(a for a in (self.ex.data_axis,) if a in device_axes)
+        slot_axes |= set().union(*(specs.varying_axes(x) for x in jax.tree.leaves(params))) - {self.ex.axis_name}
+        inflight = specs.to_varying(jnp.zeros((held,), jnp.float32), tuple(a for a in device_axes if a in slot_axes))
+        error, error_scale = (), ()
+        if self.ex.compensate and self.ex.bits is not None:
+            stored = [jax.tree.map(lambda x: specs.to_varying(x, device_axes),
+                                   quant.stored_zeros((1, kp), self.ex.error_bits, block_size=self.ex.cfg.block_size))
+                      for kp in k]
+            error, error_scale = tuple(s[0] for s in stored), tuple(s[1] for s in stored)
+        zero = jnp.zeros((), jnp.int32)
+        skipped = specs.to_varying(jnp.zeros((1,), jnp.int32), (self.ex.axis_name,))  # one count per replica
+        return DiLoCoState(per_replica(self.inner.init(params), self.ex.axis_name), global_params, outer_states, zero,
+                           skipped, inflight, error, error_scale, zero)
+
+    def inner_step(self, grads, state, params, extra):
+        """This replica's inner step, or none where its gradients or updates are non-finite."""
+        own = jax.eval_shape(self.inner.init, params)  # the inner state's own shapes (scalars are stored as (1,))
+        inner_in = jax.tree.map(lambda x, a: x.reshape(a.shape), state.inner, own)
+        with specs.independent_of(self.ex.axis_name):
+            updates, new_inner = self.inner.update(grads, inner_in, params, **extra)
+        ok = replica_finite((grads, updates), self.ex.axis_name)
+        updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+        kept = _select(ok, per_replica(new_inner, self.ex.axis_name), state.inner)
+        return optax.apply_updates(params, updates), kept, ok
+
+    def step(self, ph: Phase, grads, state, params, extra):
+        """One step of phase ``ph``: the inner step, fragment ``ph.send``'s exchange, fragment ``ph.apply``'s
+        merge; ``(updates, new state)``."""
+        plan = self.plan_of(params)
+        d, m = self.ex.data_size(), coll.axis_size(self.ex.axis_name)
+        sizes = plan.fragment_sizes()
+        local, inner_state, inner_ok = self.inner_step(grads, state, params, extra)
+        global_params, outer_states = state.global_params, list(state.outer)
+        inflight, error, error_scale = state.inflight, list(state.error), list(state.error_scale)
+        dropped = state.dropped
+
+        mean_now = codes_now = None
+        if ph.send is not None:
+            p = ph.send
+            k = self.ex.slice_len(sizes[p], d, m)
+            snapshot = local if self.overlap == 0 else params  # params of step t+1 are theta(t)
+            delta = plan.extract(global_params, p) - plan.extract(snapshot, p)
+            stored_error = (error[p], error_scale[p]) if error else (None, None)
+            mean_slice, stored, codes = self.ex.mean(self.ex.my_slice(delta, k, d), p, *stored_error,
+                                                     never=state.step < 0)
+            # the same on every replica: they all decoded the same payloads
+            sent_ok = replica_finite(mean_slice, self.ex.axis_name)
+            dropped = dropped + (~sent_ok).astype(jnp.int32)
+            if stored is not None:  # a dropped round was not delivered: its error is not fed back
+                error[p], error_scale[p] = _select(sent_ok, stored, (error[p], error_scale[p]))
+            if ph.apply == p:
+                mean_now, codes_now = mean_slice, codes
+            else:  # a dropped round leaves the slot empty (NaN): its apply step leaves the fragment out
+                inflight = jnp.where(sent_ok, jnp.pad(mean_slice, (0, inflight.shape[0] - k)), jnp.nan)
+
+        if ph.apply is not None:
+            p = ph.apply
+            k = self.ex.slice_len(sizes[p], d, m)
+            mean_slice = mean_now if mean_now is not None else inflight[:k]
+            # inside the replica, every device needs the whole fragment: move the exchanged codes where they
+            # are fewer bytes than the fp32 slice (held across steps, tau >= 2, the slot keeps fp32)
+            if d > 1 and codes_now is not None and codes_now[0].size < GATHER_CODES_BELOW * k:
+                mean_delta = self.ex.gather_codes(codes_now, p, sizes[p], d)
+            else:
+                mean_delta = self.ex.gather_slices(mean_slice, sizes[p], d)
+            # a dropped round (now, or at its send step): the fragment keeps its values
+            delivered = replica_finite(mean_slice, self.ex.axis_name)
+            global_params, local, outer_states[p] = merge(plan, p, mean_delta, global_params, local, self.outer,
+                                                          outer_states[p], self.alpha, delivered)
+
+        updates = jax.tree.map(lambda new, old: new - old, local, params)
+        return updates, DiLoCoState(
+            inner_state, global_params, tuple(outer_states), state.step + 1,
+            state.skipped + (~inner_ok).astype(jnp.int32), inflight, tuple(error), tuple(error_scale), dropped,
+        )
+
+    def update(self, grads, state, params=None, phase=None, **extra):
+        """optax's ``update``: the static phase ``phase`` (one compiled program per phase), or, without it, a
+        ``lax.switch`` on the traced step count."""
+        if params is None:
+            raise ValueError("diloco.update needs params: call tx.update(grads, state, params).")
+        specs.require_axis(self.ex.axis_name, "diloco")
+        if phase is not None:
+            if not isinstance(phase, Phase):
+                raise ValueError(f"phase={phase!r} must be a diloco.Phase from tx.phase(step).")
+            return self.step(phase, grads, state, params, extra)
+        phases = schedule_phases(**self.schedule)
+        index = traced_phase_index(state.step + 1, phases, **self.schedule)
+        branches = [functools.partial(self.step, ph, extra=extra) for ph in phases]
+        return lax.switch(index, branches, grads, state, params)
+
+
+
 def diloco(
     inner: optax.GradientTransformation,
     *,
@@ -574,7 +694,6 @@ def diloco(
         raise ValueError("compensate=True compensates quantization error, but bits=None exchanges exact fp32; set bits.")
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
-    inner = optax.with_extra_args_support(inner)
     ex = Exchange(axis_name, data_axis, bits, coll.QuantConfig(bits or 8, block_size, format, rotate, seed), mode,
                   compensate, error_beta if sparse_cfg is None else error_decay, error_bits, sparse_cfg)
     schedule = dict(sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
@@ -588,103 +707,9 @@ def diloco(
         leaves, treedef = jax.tree.flatten(params)
         return _plan_for(treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves))
 
-    def init_fn(params):
-        specs.require_axis(axis_name, "diloco")
-        plan = plan_of(params)
-        d, m = ex.data_size(), coll.axis_size(axis_name)
-        global_params = jax.tree.map(lambda x: lax.pmean(x, axis_name), params)
-        outer_states = tuple(outer.init(plan.select(global_params, p)) for p in range(num_fragments))
-        k = [ex.slice_len(s, d, m) for s in plan.fragment_sizes()]
-        device_axes = specs.manual_axes()
-        held = max(k) if overlap >= 2 else 1  # only tau >= 2 holds a mean across steps (1: orbax saves no empty array)
-        # the slot holds this device's slice: varying over the sliced axis, and over any axis the parameters
-        # themselves vary over besides the replica axis (FSDP shards)
-        slot_axes = set(a for a in (data_axis,) if a in device_axes)
-        slot_axes |= set().union(*(specs.varying_axes(x) for x in jax.tree.leaves(params))) - {axis_name}
-        inflight = specs.to_varying(jnp.zeros((held,), jnp.float32), tuple(a for a in device_axes if a in slot_axes))
-        error, error_scale = (), ()
-        if compensate and bits is not None:
-            stored = [jax.tree.map(lambda x: specs.to_varying(x, device_axes),
-                                   quant.stored_zeros((1, kp), error_bits, block_size=block_size)) for kp in k]
-            error, error_scale = tuple(s[0] for s in stored), tuple(s[1] for s in stored)
-        zero = jnp.zeros((), jnp.int32)
-        skipped = specs.to_varying(jnp.zeros((1,), jnp.int32), (axis_name,))  # one count per replica
-        return DiLoCoState(per_replica(inner.init(params), axis_name), global_params, outer_states, zero, skipped,
-                           inflight, error, error_scale, zero)
-
-    def _inner_step(grads, state, params, extra):
-        """This replica's inner step, or none where its gradients or updates are non-finite."""
-        own = jax.eval_shape(inner.init, params)  # the inner state's own shapes (scalars are stored as (1,))
-        inner_in = jax.tree.map(lambda x, a: x.reshape(a.shape), state.inner, own)
-        with specs.independent_of(axis_name):
-            updates, new_inner = inner.update(grads, inner_in, params, **extra)
-        ok = replica_finite((grads, updates), axis_name)
-        updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
-        return (optax.apply_updates(params, updates), _select(ok, per_replica(new_inner, axis_name), state.inner),
-                ok)
-
-    def _step(ph: Phase, grads, state, params, extra):
-        plan = plan_of(params)
-        d, m = ex.data_size(), coll.axis_size(axis_name)
-        sizes = plan.fragment_sizes()
-        local, inner_state, inner_ok = _inner_step(grads, state, params, extra)
-        global_params, outer_states = state.global_params, list(state.outer)
-        inflight, error, error_scale = state.inflight, list(state.error), list(state.error_scale)
-        dropped = state.dropped
-
-        mean_now = codes_now = None
-        if ph.send is not None:
-            p = ph.send
-            k = ex.slice_len(sizes[p], d, m)
-            snapshot = local if overlap == 0 else params  # params of step t+1 are theta(t)
-            delta = plan.extract(global_params, p) - plan.extract(snapshot, p)
-            stored_error = (error[p], error_scale[p]) if error else (None, None)
-            mean_slice, stored, codes = ex.mean(ex.my_slice(delta, k, d), p, *stored_error, never=state.step < 0)
-            # the same on every replica: they all decoded the same payloads
-            sent_ok = replica_finite(mean_slice, axis_name)
-            dropped = dropped + (~sent_ok).astype(jnp.int32)
-            if stored is not None:  # a dropped round was not delivered: its error is not fed back
-                error[p], error_scale[p] = _select(sent_ok, stored, (error[p], error_scale[p]))
-            if ph.apply == p:
-                mean_now, codes_now = mean_slice, codes
-            else:  # a dropped round leaves the slot empty (NaN): its apply step leaves the fragment out
-                inflight = jnp.where(sent_ok, jnp.pad(mean_slice, (0, inflight.shape[0] - k)), jnp.nan)
-
-        if ph.apply is not None:
-            p = ph.apply
-            k = ex.slice_len(sizes[p], d, m)
-            mean_slice = mean_now if mean_now is not None else inflight[:k]
-            # inside the replica, every device needs the whole fragment: move the exchanged codes where they
-            # are fewer bytes than the fp32 slice (held across steps, tau >= 2, the slot keeps fp32)
-            if d > 1 and codes_now is not None and codes_now[0].size < GATHER_CODES_BELOW * k:
-                mean_delta = ex.gather_codes(codes_now, p, sizes[p], d)
-            else:
-                mean_delta = ex.gather_slices(mean_slice, sizes[p], d)
-            # a dropped round (now, or at its send step): the fragment keeps its values
-            delivered = replica_finite(mean_slice, axis_name)
-            global_params, local, outer_states[p] = merge(plan, p, mean_delta, global_params, local, outer,
-                                                          outer_states[p], alpha, delivered)
-
-        updates = jax.tree.map(lambda new, old: new - old, local, params)
-        return updates, DiLoCoState(
-            inner_state, global_params, tuple(outer_states), state.step + 1,
-            state.skipped + (~inner_ok).astype(jnp.int32), inflight, tuple(error), tuple(error_scale), dropped,
-        )
-
-    def update_fn(grads, state, params=None, phase=None, **extra):
-        if params is None:
-            raise ValueError("diloco.update needs params: call tx.update(grads, state, params).")
-        specs.require_axis(axis_name, "diloco")
-        if phase is not None:
-            if not isinstance(phase, Phase):
-                raise ValueError(f"phase={phase!r} must be a diloco.Phase from tx.phase(step).")
-            return _step(phase, grads, state, params, extra)
-        phases = schedule_phases(**schedule)
-        index = traced_phase_index(state.step + 1, phases, **schedule)
-        branches = [functools.partial(_step, ph, extra=extra) for ph in phases]
-        return lax.switch(index, branches, grads, state, params)
-
-    tx = DiLoCo(init_fn, update_fn)
+    loop = OuterLoop(optax.with_extra_args_support(inner), outer, ex, num_fragments, overlap, alpha, schedule,
+                     plan_of)
+    tx = DiLoCo(loop.init, loop.update)
     tx.phase = functools.partial(phase, **schedule)
     tx.phases = functools.partial(schedule_phases, **schedule)
     tx.plan = plan_of

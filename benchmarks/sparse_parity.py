@@ -146,15 +146,21 @@ def final_table():
     d, rule, move = _parts(best)
     tag = "_".join(x for x in (d, rule, move) if x)
     seeds = parity.SEEDS
-    rows = ["| cells (seeds 1-3) | M | mean paired gap to data parallel (per seed) | to dense 4-bit rotated, same M |",
-            "|---|---:|---|---|"]
+    rows = ["| cells (seeds 1-3) | M | bytes per replica per step (HLO) | fewer bits than fp32 data parallel | "
+            "mean paired gap to data parallel (per seed) | to dense 4-bit rotated, same M |",
+            "|---|---:|---:|---:|---|---|"]
     for m in (2, 4):
-        names = [f"sp_m{m}_{tag}_3000_s{s}" for s in seeds]
-        rows.append(f"| `sp_m{m}_{tag}_3000_s*` | {m} | {_paired(zip(names, [f'par_dp_3000_s{s}' for s in seeds]))} | "
-                    f"{_paired(zip(names, [f'par_m{m}_stream4rot_3000_s{s}' for s in seeds]))} |")
+        for prefix in (f"sp_m{m}_{tag}_3000", f"par_m{m}_stream4rot_3000", f"par_m{m}_stream2_3000"):
+            names = [f"{prefix}_s{s}" for s in seeds]
+            if not quality.finished(names[0]):
+                continue
+            b = parity.cross_replica_bytes(names[0])  # the same programs on every seed
+            rows.append(f"| `{prefix}_s*` | {m} | {common.human(b)} | {parity.data_parallel_bytes(m) / b:,.0f}x | "
+                        f"{_paired(zip(names, [f'par_dp_3000_s{s}' for s in seeds]))} | "
+                        f"{_paired(zip(names, [f'par_m{m}_stream4rot_3000_s{s}' for s in seeds]))} |")
     for prefix, m in (("muon_dp", 1), ("muon_m2_stream4rot", 2), (f"muon_sp_m2_{tag}", 2)):
         names = [f"{prefix}_3000_s{s}" for s in seeds]
-        rows.append(f"| `{prefix}_3000_s*` | {m} | {_paired(zip(names, [f'par_dp_3000_s{s}' for s in seeds]))} "
+        rows.append(f"| `{prefix}_3000_s*` | {m} | | | {_paired(zip(names, [f'par_dp_3000_s{s}' for s in seeds]))} "
                     f"(to Muon data parallel: {_paired(zip(names, [f'muon_dp_3000_s{s}' for s in seeds]))}) | |")
     rows += ["", f"Second text (King James Bible, `benchmarks/second_text.py`), seed 1, M = 2: `kjv_sp_m2_{tag}_3000_s1` "
              f"{_loss(f'kjv_sp_m2_{tag}_3000_s1')} against data parallel's {_loss('kjv_dp_3000_s1')}: "

@@ -21,6 +21,7 @@ def _config(**overrides):
     cfg.optim.warmup_steps = 2
     cfg.mesh.replicas, cfg.diloco.enabled = 1, False
     cfg.loco.bits, cfg.loco.in_backward = 4, True
+    cfg.loco.compensate = True  # the paper's compensated exchange: the comparisons cover non-zero error buffers
     cfg.model.scan_layers = True
     return config_lib.override(cfg, [f"{k}={v}" for k, v in overrides.items()])
 

@@ -59,11 +59,14 @@ def test_a_saved_run_keeps_its_settings_and_an_old_one_its_reference():
 def test_config_json_records_the_resolved_settings_and_an_old_workdir_resumes(text_file, tmp_path):  # noqa: F811
     workdir = str(tmp_path)
     cfg = small_config(text_file, **{"loco.bits": "2", "diloco.bits": "2"})
-    train_and_evaluate(cfg, workdir, log=quiet, stop_after=6)
+    # the first half runs the settings an older version ran (the reference), as that version would have
+    first = small_config(text_file, **{"loco.bits": "2", "diloco.bits": "2", "loco.preset": "reference",
+                                       "diloco.preset": "reference"})
+    train_and_evaluate(first, workdir, log=quiet, stop_after=6)
     path = os.path.join(workdir, "config.json")
     saved = json.load(open(path))
-    assert {n: saved["loco"][n] for n in config_lib.RESOLVED_FIELDS["loco"]} == loco.MEASURED[2]
-    assert {n: saved["diloco"][n] for n in config_lib.RESOLVED_FIELDS["diloco"]} == diloco.MEASURED[2]
+    assert {n: saved["loco"][n] for n in config_lib.RESOLVED_FIELDS["loco"]} == loco.REFERENCE
+    assert {n: saved["diloco"][n] for n in config_lib.RESOLVED_FIELDS["diloco"]} == diloco.REFERENCE
     # the same workdir as an older version would have left it: no format, rotate or preset recorded
     for section in ("loco", "diloco"):
         for name in ("format", "rotate", "preset"):

@@ -49,6 +49,7 @@ def small_config(text_file, **overrides):
     cfg.mesh.replicas = 2
     cfg.data.path = text_file
     cfg.loco.bits = 4
+    cfg.loco.compensate = True  # the paper's compensated exchange: resumes and restarts carry error buffers
     d = cfg.diloco
     d.enabled, d.sync_every, d.num_fragments, d.overlap, d.alpha, d.bits = True, 6, 3, 1, 0.5, 4
     return config_lib.override(cfg, [f"{k}={v}" for k, v in overrides.items()])

@@ -98,14 +98,23 @@ def _outer(bits, fmt, rotate, comp):
             f"diloco.compensate={str(comp).lower()}"]
 
 
+# The final and text2 cells' "default" is the compensated one they ran (loco.MEASURED until 2026-12-04,
+# when the 4- and 2-bit defaults lost their compensation on these very cells): pinned, so that the cells
+# keep their meaning and their records.
+DEFAULT_UNTIL_2026_12_04 = {4: dict(compensate=True, beta=0.0), 2: dict(compensate=True, beta=0.8),
+                            1: dict(compensate=False)}
+
+
+def _default(bits):
+    return [f"loco.bits={bits}"] + [f"loco.{k}={str(v).lower()}" for k, v in DEFAULT_UNTIL_2026_12_04[bits].items()]
+
+
 def _flipped(bits):
     """The default's format with its compensation flipped: naive if it compensates, LoCo (beta 0.8) if not,
     so the pair shows what compensation alone buys (or costs) at that width."""
-    from loco_jax import loco
-
-    if loco.settings(bits)["compensate"]:
-        return ["loco.compensate=false"]
-    return ["loco.compensate=true", "loco.beta=0.8"]
+    if DEFAULT_UNTIL_2026_12_04[bits]["compensate"]:
+        return [f"loco.bits={bits}", "loco.compensate=false"]
+    return [f"loco.bits={bits}", "loco.compensate=true", "loco.beta=0.8"]
 
 
 def _comp(kind):
@@ -124,9 +133,9 @@ def cells() -> dict[str, tuple[str, list[str]]]:
     for s in FINAL_SEEDS:
         out[f"fp32_s{s}"] = ("final", _seed(s))
         for b in (4, 2, 1):
-            out[f"default{b}_s{s}"] = ("final", _seed(s) + [f"loco.bits={b}"])
+            out[f"default{b}_s{s}"] = ("final", _seed(s) + _default(b))
             if s == FINAL_SEEDS[0]:  # one seed: what compensation alone buys (or costs) in the default's format
-                out[f"flipped{b}_s{s}"] = ("final", _seed(s) + [f"loco.bits={b}"] + _flipped(b))
+                out[f"flipped{b}_s{s}"] = ("final", _seed(s) + _flipped(b))
         # the noise floor of a paired gap: 8-bit int absmax (within rounding of fp32 in one step) on the same seeds
         out[f"int8_s{s}"] = ("noise", _seed(s) + ["loco.bits=8"])
     # issue 30: the 4- and 2-bit defaults against naive in their own format on a second text (the King James
@@ -135,10 +144,10 @@ def cells() -> dict[str, tuple[str, list[str]]]:
     for s in (1, 2):
         out[f"kjv_fp32_s{s}"] = ("text2", _seed(s) + text2)
         for b in (4, 2):
-            out[f"kjv_default{b}_s{s}"] = ("text2", _seed(s) + text2 + [f"loco.bits={b}"])
-            out[f"kjv_flipped{b}_s{s}"] = ("text2", _seed(s) + text2 + [f"loco.bits={b}"] + _flipped(b))
+            out[f"kjv_default{b}_s{s}"] = ("text2", _seed(s) + text2 + _default(b))
+            out[f"kjv_flipped{b}_s{s}"] = ("text2", _seed(s) + text2 + _flipped(b))
             if s == 2:
-                out[f"flipped{b}_s{s}"] = ("text2", _seed(s) + [f"loco.bits={b}"] + _flipped(b))
+                out[f"flipped{b}_s{s}"] = ("text2", _seed(s) + _flipped(b))
     for m in (2, 4):
         out[f"m{m}_stream_fp32"] = ("diloco", _seed(0) + _stream(m))
     for name, bits, fmt, rot, comp in DILOCO_SELECT:  # M = 2: the candidates diloco.MEASURED is chosen from

@@ -197,8 +197,8 @@ def _check_rounding_format(format):
         )
 
 
-def validate(bits, block_size=DEFAULT_BLOCK_SIZE, format="int", *, rotate=False, stochastic=False):
-    """Raises ``ValueError`` naming the bad value and the valid choices."""
+def validate_format(bits, format):
+    """Raises ``ValueError`` unless ``format`` is known and codes values at ``bits`` bits."""
     if isinstance(bits, bool) or bits not in BITS:
         raise ValueError(f"bits={bits!r} is not supported; choose one of {BITS}.")
     if format not in FORMATS:
@@ -208,6 +208,11 @@ def validate(bits, block_size=DEFAULT_BLOCK_SIZE, format="int", *, rotate=False,
         raise ValueError(
             f"format={format!r} supports bits in {FORMAT_BITS[format]}, not bits={bits!r}; at {bits} bits use one of {others}."
         )
+
+
+def validate(bits, block_size=DEFAULT_BLOCK_SIZE, format="int", *, rotate=False, stochastic=False):
+    """Raises ``ValueError`` naming the bad value and the valid choices."""
+    validate_format(bits, format)
     if stochastic:
         _check_rounding_format(format)
     require_int("block_size", block_size, "a positive integer (a multiple of 8, e.g. 256)")

@@ -65,10 +65,6 @@ class SparseConfig(NamedTuple):
     format: str
     index_bits: int
 
-    @property
-    def density(self) -> float:
-        return self.k / self.chunk
-
     def chunk_bytes(self) -> tuple[int, int, int]:
         """Bytes of one chunk's positions, values and scale."""
         return -(-self.k * self.index_bits // 8), -(-self.k * self.bits // 8), 4
@@ -137,10 +133,7 @@ def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, 
         raise ValueError(f"density={density} keeps k = round({density} x {chunk}) = {k} entries of a "
                          f"{chunk}-entry chunk; k must lie in [1, {chunk - 1}]: use a density in "
                          f"[{1 / chunk:.3g}, {(chunk - 1) / chunk:.6g}] or another chunk.")
-    if format not in quant.FORMATS:
-        raise ValueError(f"format={format!r} is unknown; choose one of {quant.FORMATS}.")
-    if not is_int(bits) or bits not in quant.FORMAT_BITS[format]:
-        raise ValueError(f"bits={bits!r}: format {format!r} takes {quant.FORMAT_BITS[format]} bits per value.")
+    quant.validate_format(bits, format)
     need = int(math.log2(chunk))
     index_bits = need if index_bits is None else index_bits
     if not is_int(index_bits) or not need <= index_bits <= 32:
@@ -149,10 +142,4 @@ def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, 
     return SparseConfig(chunk, k, bits, format, index_bits)
 
 
-def topk_sparsify(x, cfg: SparseConfig):
-    """``C(x)``: the flat ``x`` as its payload decodes (the chunks' top-k entries at ``cfg.bits``, zeros
-    elsewhere), for tests and error budgets; ``x.size`` a multiple of ``cfg.chunk``."""
-    return cfg.encode(jnp.asarray(x, jnp.float32).reshape(-1))[1]
-
-
-__all__ = ["DEFAULT_CHUNK", "SparseConfig", "pack_bits", "sparse_config", "topk_sparsify", "unpack_bits"]
+__all__ = ["DEFAULT_CHUNK", "SparseConfig", "pack_bits", "sparse_config", "unpack_bits"]

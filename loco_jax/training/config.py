@@ -16,6 +16,7 @@ import types
 import typing
 
 from loco_jax.checks import require_int
+from loco_jax.sparse import DEFAULT_CHUNK
 from loco_jax.training import shapes
 
 
@@ -41,6 +42,14 @@ def _model_fields():
 
 
 ModelFields = _model_fields()
+
+
+def model_fields(cfg) -> dict:
+    """``cfg.model`` as :class:`loco_jax.training.shapes.ModelConfig`'s arguments, but ``attention_impl``
+    (which depends on the device: :func:`loco_jax.training.steps.model_config`)."""
+    fields = dataclasses.asdict(cfg.model)
+    del fields["attention"]
+    return fields
 
 
 ATTENTION = ("auto", "xla", "cudnn")
@@ -150,7 +159,7 @@ class DilocoFields:
     # Nesterov (outer_momentum > 0, the default) on the decoded mean; SparseLoCo's (outer_momentum=0,
     # outer_lr=1, error_decay=0.95): the decayed accumulator stands in for the momentum.
     density: float | None = None
-    chunk: int = 4096
+    chunk: int = DEFAULT_CHUNK
     error_decay: float | None = None
 
 
@@ -228,21 +237,18 @@ def resolve(cfg: Config, saved: dict | None = None) -> Config:
 def with_reference_fields(saved: dict) -> dict:
     """A saved config dict with the fields an older version did not record set to what it ran with."""
     saved = json.loads(json.dumps(saved))
-    model = saved.setdefault("model", {})
-    model.setdefault("attention", "xla")  # before model.attention: XLA's, everywhere
-    for f in dataclasses.fields(shapes.ModelConfig):  # fields the config did not have yet ran at the model's default
-        if f.name != "attention_impl" and f.default is not dataclasses.MISSING:
-            model.setdefault(f.name, f.default)
+    saved.setdefault("model", {}).setdefault("attention", "xla")  # before model.attention: XLA's, everywhere
     saved.setdefault("loco", {}).setdefault("in_backward", False)  # before loco.in_backward: after the backward
-    for name, value in (("density", None), ("chunk", 4096), ("error_decay", None)):  # before the sparse exchange
-        saved.setdefault("diloco", {}).setdefault(name, value)
-    for name, value in (("name", "adamw"), ("muon_beta", 0.95)):  # before optim.name: AdamW
-        saved.setdefault("optim", {}).setdefault(name, value)
     for section, names in RESOLVED_FIELDS.items():
         node = saved.setdefault(section, {})
         node.setdefault("preset", "measured")
         for name in names:
             node.setdefault(name, _library(section).REFERENCE[name])
+    # fields added since (the model's own, the sparse exchange, the inner optimizer's name) ran at their defaults
+    for section, cls in (("model", ModelFields), ("diloco", DilocoFields), ("optim", OptimFields)):
+        node = saved.setdefault(section, {})
+        for f in dataclasses.fields(cls):
+            node.setdefault(f.name, f.default)
     return saved
 
 
@@ -372,9 +378,7 @@ def validate(cfg: Config):
     if cfg.optim.name == "muon" and cfg.mesh.fsdp:
         raise ValueError("optim.name='muon' orthogonalizes each weight matrix whole, and mesh.fsdp=true shards "
                          "them over the data devices; use mesh.fsdp=false with Muon, or optim.name='adamw'.")
-    model = dataclasses.asdict(cfg.model)
-    del model["attention"]
-    shapes.ModelConfig(**model)  # the model's own checks (dimensions, dtypes), before any device starts
+    shapes.ModelConfig(**model_fields(cfg))  # the model's own checks (dimensions, dtypes), before any device starts
     if cfg.model.attention not in ATTENTION:
         raise ValueError(f"model.attention={cfg.model.attention!r} must be one of {ATTENTION}.")
     if cfg.model.attention == "cudnn" and cfg.model.compute_dtype not in ("bfloat16", "float16"):

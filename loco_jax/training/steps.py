@@ -14,8 +14,6 @@ gradients in fp32 before the one optimizer step.
 
 from __future__ import annotations
 
-import dataclasses
-
 from typing import Any, NamedTuple
 
 import jax
@@ -24,7 +22,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import backward, diloco, fsdp, loco, specs
+from loco_jax import backward, diloco, fragments, fsdp, loco, specs
 from loco_jax.training import config as config_lib
 from loco_jax.training import model as model_lib
 
@@ -50,7 +48,7 @@ def muon_dims(params):
     """Which leaves Muon orthogonalizes, and how: the transformer blocks' matrices (a scanned stack's leading
     layer axis is a batch axis); None (AdamW) for the embedding, the head and every norm scale."""
     def one(path, x):
-        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        keys = fragments.path_str(path).split("/")
         if "layers" in keys and keys[-1] == "kernel" and x.ndim >= 2:
             return optax.contrib.MuonDimensionNumbers(reduction_axis=x.ndim - 2, output_axis=x.ndim - 1)
         return None
@@ -136,10 +134,10 @@ def make_optimizer(cfg: config_lib.Config, shard_dims=None, norm_dims=None, grou
 
 def model_config(cfg: config_lib.Config, device=None) -> model_lib.ModelConfig:
     """The model of ``cfg`` as it compiles for ``device`` (one of the mesh's; None: XLA's attention)."""
-    m = dataclasses.asdict(cfg.model)
-    attention = m.pop("attention")
+    m = cfg.model
     return model_lib.ModelConfig(
-        **m, attention_impl=attention_impl(attention, m["compute_dtype"], m["d_model"] // m["num_heads"], device))
+        **config_lib.model_fields(cfg),
+        attention_impl=attention_impl(m.attention, m.compute_dtype, m.d_model // m.num_heads, device))
 
 
 def attention_impl(attention: str, compute_dtype: str, head_dim: int, device=None) -> str | None:

@@ -41,20 +41,22 @@ MUON = ["optim.name=muon"]
 MOVES = {"alpha0.5": ["diloco.alpha=0.5"]}
 
 
-def _sparse(seed, m, density, rule, move=None):
-    s = parity.selection()[("stream", m)]
+def _sparse(tuned, seed, m, density, rule, move=None):
+    """A sparse cell at parity.py's ``tuned`` (``parity.selection()``) Streaming DiLoCo settings for M = m."""
+    s = tuned[("stream", m)]
     return (parity._stream(seed, parity.LONG, m, 2, s, "stream2") + [f"diloco.density={density}"] + RULES[rule](s)
             + MOVES.get(move, []))
 
 
 def tune_cells():
-    out = {f"sp_m2_{d}_{rule}_s0": ("tune", _sparse(0, 2, density, rule))
+    tuned = parity.selection()
+    out = {f"sp_m2_{d}_{rule}_s0": ("tune", _sparse(tuned, 0, 2, density, rule))
            for d, density in DENSITIES.items() for rule in RULES}
     first = list(quality.register(out))
     if all(quality.finished(n) for n in first):  # the second round: from the best first-round cell
         d, rule, _ = _parts(min(first, key=quality.final))
         for move in MOVES:
-            out[f"sp_m2_{d}_{rule}_{move}_s0"] = ("tune", _sparse(0, 2, DENSITIES[d], rule, move))
+            out[f"sp_m2_{d}_{rule}_{move}_s0"] = ("tune", _sparse(tuned, 0, 2, DENSITIES[d], rule, move))
     return out
 
 
@@ -81,17 +83,18 @@ def seeded_cells():
         return out
     d, rule, move = _parts(best)
     tag = "_".join(x for x in (d, rule, move) if x)
+    tuned = parity.selection()
     for seed in parity.SEEDS:
         for m in (2, 4):
-            out[f"sp_m{m}_{tag}_3000_s{seed}"] = ("final", _sparse(seed, m, DENSITIES[d], rule, move))
-        out[f"muon_dp_3000_s{seed}"] = ("muon", parity._dp(seed, parity.LONG, parity.selection()["dp"]) + MUON)
+            out[f"sp_m{m}_{tag}_3000_s{seed}"] = ("final", _sparse(tuned, seed, m, DENSITIES[d], rule, move))
+        out[f"muon_dp_3000_s{seed}"] = ("muon", parity._dp(seed, parity.LONG, tuned["dp"]) + MUON)
         out[f"muon_m2_stream4rot_3000_s{seed}"] = (
-            "muon", parity._stream(seed, parity.LONG, 2, 4, parity.selection()[("stream", 2)], "stream4rot") + MUON)
-        out[f"muon_sp_m2_{tag}_3000_s{seed}"] = ("muon", _sparse(seed, 2, DENSITIES[d], rule, move) + MUON)
+            "muon", parity._stream(seed, parity.LONG, 2, 4, tuned[("stream", 2)], "stream4rot") + MUON)
+        out[f"muon_sp_m2_{tag}_3000_s{seed}"] = ("muon", _sparse(tuned, seed, 2, DENSITIES[d], rule, move) + MUON)
     # the second text (benchmarks/second_text.py), seed 1: data parallel and the chosen sparse cell, M = 2
     text2 = [f"data.path={os.path.relpath(second_text.OUT, common.ROOT)}"]
-    out["kjv_dp_3000_s1"] = ("text2", parity._dp(1, parity.LONG, parity.selection()["dp"]) + text2)
-    out[f"kjv_sp_m2_{tag}_3000_s1"] = ("text2", _sparse(1, 2, DENSITIES[d], rule, move) + text2)
+    out["kjv_dp_3000_s1"] = ("text2", parity._dp(1, parity.LONG, tuned["dp"]) + text2)
+    out[f"kjv_sp_m2_{tag}_3000_s1"] = ("text2", _sparse(tuned, 1, 2, DENSITIES[d], rule, move) + text2)
     return out
 
 

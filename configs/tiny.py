@@ -8,9 +8,11 @@ It keeps the papers' outer settings (outer Nesterov lr 0.7, momentum 0.9, alpha 
 rather than configs/streaming_diloco.py's, which were tuned for 3,000 steps of 16 x 64 tokens. At this
 config's own length they measured worse: final eval loss 2.0869 (these settings) against 2.0990 (momentum
 0.8, alpha 0, lr 5e-3) on seed 1, and 2.0699 against 2.1201 on seed 2 (+0.58 % and +2.43 % for the
-parity settings; paired runs, same seed and data order, 2026-12-03):
+parity settings; paired runs, same seed and data order, 2026-12-03). Those runs had LoCo's error feedback
+on the 4-bit exchange inside each replica, the 4-bit default until 2026-12-04 (loco.MEASURED: it no
+longer compensates, docs/results.md, "The per-bit defaults on a second text"); to reproduce them:
     python train.py --config configs/tiny.py --workdir W --set seed=S --set data.seed=S --set sample_tokens=0 \\
-        [--set diloco.alpha=0.0 --set diloco.outer_momentum=0.8 --set optim.lr=0.005]
+        --set loco.compensate=true [--set diloco.alpha=0.0 --set diloco.outer_momentum=0.8 --set optim.lr=0.005]
 
 Settings:
     steps=300 batch_size=32 seq_len=128 mesh.replicas=2 loco.bits=4 diloco.enabled=true diloco.sync_every=30

@@ -4,8 +4,8 @@
 whole gradient, so its collectives wait for the whole backward pass. Here the same per-bucket step
 (:class:`loco_jax.loco.Exchanger`) runs *in* the backward pass of a scanned stack of layers, one bucket
 per layer, so the exchange of layer ``l`` runs under the backward compute of layer ``l-1``. With the
-same buckets (``compress(groups=...)``, one per layer of the stack) the two give bit-identical means and
-error buffers.
+same buckets (``compress(groups=...)``, one per layer of the stack) the two give the same means and
+error buffers (to the bit where XLA:CPU rounds the two programs alike; tests/test_backward.py).
 
 How: the stack's forward is a ``custom_vjp`` function ``run(h, p, e, s, ...)`` whose backward rule
 receives the stack output's cotangent, runs the layers' backward itself, and returns::

@@ -173,8 +173,9 @@ def _uniform_step(n):
     return (lo + hi) / 2
 
 
-# Unit-Gaussian tables, stored as the exact float64 values that ``_uniform_step`` and ``_lloyd_max`` compute
-# (tests/test_formats.py recomputes both and compares bit for bit), so importing the library costs nothing:
+# Unit-Gaussian tables, stored as the float64 values that ``_uniform_step`` and ``_lloyd_max`` compute
+# (tests/test_formats.py recomputes both and compares to 1e-13: NumPy's exp differs in the last bits between
+# CPUs), so importing the library costs nothing and every machine uses the same levels:
 # UNIFORM_STEP[b]: the MSE-optimal mid-rise step for 2**b levels (0.9957 at 2 bits, 0.3352 at 4);
 # LLOYD_LEVELS[b]: the Lloyd-Max levels (2 bits: -1.5104, -0.4528, 0.4528, 1.5104; 3000 iterations);
 # GAUSSIAN_MSE[(format, b)]: the mean squared error per value of that quantizer on N(0, 1) (the floor a

@@ -56,19 +56,40 @@ CELLS = {  # each cell crosses several features: layout, remat or saved residual
 }
 
 
+def _assert_same_but_rounding(a, b, where):
+    """``a`` and ``b`` as two XLA programs give the same arithmetic: floats to float32 rounding of the leaf's
+    scale, 8-bit error codes at most one code apart in at most 0.5 % of entries (a value within rounding of a
+    code boundary). A wrong bucket, block or error rule moves the means by the quantization error
+    (1e-2 relative and more) and most codes, far outside both bounds."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, where
+    if a.dtype == np.uint8:
+        step = np.abs(a.astype(np.int16) - b.astype(np.int16))
+        assert step.max() <= 1 and (step > 0).mean() <= 5e-3, (where, step.max(), (step > 0).mean())
+    else:
+        scale = float(np.abs(b).max()) if b.size else 0.0
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale, err_msg=where)
+
+
 @pytest.mark.parametrize("cell", list(CELLS))
-def test_in_backward_exchange_is_bit_identical_to_compress_with_the_same_buckets(cell):
+def test_in_backward_exchange_matches_compress_with_the_same_buckets(cell):
     """Two steps (the error buffers non-zero in the second): the exchanged means LoCo hands the optimizer and
-    every error buffer agree to the bit, for data parallel and FSDP (scanned blocks), with and without remat
-    and micro-batches, at the per-bit defaults (rotated Lloyd-Max at 4 and 2 bits, the
-    reference absmax int8 with beta 0.8, the rotated 1-bit sign)."""
+    every error buffer agree, for data parallel and FSDP (scanned blocks), with and without remat and
+    micro-batches, at the per-bit defaults (rotated Lloyd-Max at 4 and 2 bits, the reference absmax int8
+    with beta 0.8, the rotated 1-bit sign).
+
+    To the bit on the machine the comparison was built on; on another CPU (2026-12-04) XLA:CPU fused the
+    8-bit cell's two programs so that its stored error codes came out one code apart in 0.04 % of entries
+    and its step-2 means 1e-6 relative apart, so the comparison allows rounding (and counts how far)."""
     cfg = _config(**CELLS[cell])
     got, want = _run(cfg, True), _run(cfg, False)
     errors = loco.find_state(want.opt_state).error
     if config_lib.resolve(cfg).loco.compensate:  # the comparison covers non-trivial error buffers
         assert errors and all(np.asarray(e).std() > 0 for e in errors)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
+    assert len(got_leaves) == len(jax.tree.leaves(want))
+    for (path, a), b in zip(got_leaves, jax.tree.leaves(want)):
+        _assert_same_but_rounding(a, b, jax.tree_util.keystr(path))
 
 
 def test_a_scanned_stack_keeps_its_errors_stacked_and_its_buckets_per_layer():

@@ -24,14 +24,21 @@ def test_gaussian_tables_match_an_independent_derivation_and_max_1960():
     assert quant.GAUSSIAN_MSE[("lloyd", 4)] == pytest.approx(0.009497, abs=2e-5)
 
 
-def test_stored_gaussian_tables_are_what_the_library_computes_bit_for_bit():
-    """quant stores its tables as constants (importing the library computes nothing); they must be exactly the
-    float64 values of its own derivations, so that a change to either shows here."""
+def test_stored_gaussian_tables_are_what_the_library_computes():
+    """quant stores its tables as constants (importing the library computes nothing); they must be the float64
+    values of its own derivations, so that a change to either shows here. To 1e-13 relative, not to the bit:
+    NumPy's vectorized exp picks its kernel by CPU and build, and the 16-level Lloyd-Max fixed point came out
+    up to 5e-15 relative apart on two machines (2026-12-04); a float32 table differs by at most one ulp. The
+    stored values are what every machine uses."""
     for b in quant.FORMAT_BITS["lloyd"]:
         computed = quant._lloyd_max(2**b)
-        assert computed.dtype == quant.LLOYD_LEVELS[b].dtype and np.array_equal(computed, quant.LLOYD_LEVELS[b]), b
+        assert computed.dtype == quant.LLOYD_LEVELS[b].dtype, b
+        np.testing.assert_allclose(computed, quant.LLOYD_LEVELS[b], rtol=1e-13, atol=0, err_msg=str(b))
+        np.testing.assert_array_max_ulp(computed.astype(np.float32), quant.LLOYD_LEVELS[b].astype(np.float32), 1)
     for b in quant.FORMAT_BITS["uniform"]:
-        assert quant._uniform_step(2**b) == quant.UNIFORM_STEP[b], b
+        # a golden-section argmin of a smooth minimum is fixed only to about sqrt(eps) of the step: near the
+        # end two nearly equal errors decide the bracket (1e-10 relative apart on two machines)
+        assert quant._uniform_step(2**b) == pytest.approx(quant.UNIFORM_STEP[b], rel=1e-8, abs=0), b
 
 
 @pytest.mark.parametrize("bits,fmt", FITTED)

@@ -5,6 +5,8 @@
     python benchmarks/sparse_parity.py --group final     # seeds 1-3, M = 2 and 4, the chosen sparse cell
     python benchmarks/sparse_parity.py --group muon      # seeds 1-3, M = 2: Muon inner, DP / dense / sparse
     python benchmarks/sparse_parity.py --group text2     # seed 1, M = 2, on the second text: DP and the chosen cell
+    python benchmarks/sparse_parity.py --group grid      # seeds 1-3, M = 2 and 4: the other density x rule cells
+    python benchmarks/sparse_parity.py --group probe     # seed 0, M = 2: moves tried after the seeds had run
     python benchmarks/sparse_parity.py --report
 
 Model, data, run length (3,000 steps), H = 30, 3 fragments, overlap 1 and the tuned Streaming DiLoCo
@@ -39,13 +41,16 @@ MUON = ["optim.name=muon"]
 # half of each replica's local progress at a merge (the first round measured the density as the lever: what
 # a round does not send is held back from the model until it is sent).
 MOVES = {"alpha0.5": ["diloco.alpha=0.5"]}
+# Moves tried on seed 0 after the seeded cells had run from the choice above. They are reported beside the
+# tune cells but do not take part in the choice: changing it would rename (and orphan) every seeded cell.
+PROBES = {"alpha0.75": ["diloco.alpha=0.75"]}
 
 
 def _sparse(tuned, seed, m, density, rule, move=None):
     """A sparse cell at parity.py's ``tuned`` (``parity.selection()``) Streaming DiLoCo settings for M = m."""
     s = tuned[("stream", m)]
     return (parity._stream(seed, parity.LONG, m, 2, s, "stream2") + [f"diloco.density={density}"] + RULES[rule](s)
-            + MOVES.get(move, []))
+            + MOVES.get(move, PROBES.get(move, [])))
 
 
 def tune_cells():
@@ -60,6 +65,17 @@ def tune_cells():
     return out
 
 
+def probe_cells():
+    """The late moves, from the chosen cell's density and rule (seed 0, M = 2)."""
+    best = chosen()
+    if best is None:
+        return {}
+    d, rule, _ = _parts(best)
+    tuned = parity.selection()
+    return {f"sp_m2_{d}_{rule}_{move}_s0": ("probe", _sparse(tuned, 0, 2, DENSITIES[d], rule, move))
+            for move in PROBES}
+
+
 def chosen():
     """The seed-0 tune cell with the lowest final eval loss, or None until every tune cell has finished."""
     names = list(tune_cells())
@@ -72,7 +88,7 @@ def _parts(name):
     """(density key, rule, move or None) of a sparse cell's name."""
     parts = name.split("_")
     d, rule = parts[2], parts[3]
-    move = parts[4] if len(parts) > 5 and parts[4] in MOVES else None
+    move = parts[4] if len(parts) > 5 and (parts[4] in MOVES or parts[4] in PROBES) else None
     return d, rule, move
 
 
@@ -95,13 +111,28 @@ def seeded_cells():
     text2 = [f"data.path={os.path.relpath(second_text.OUT, common.ROOT)}"]
     out["kjv_dp_3000_s1"] = ("text2", parity._dp(1, parity.LONG, tuned["dp"]) + text2)
     out[f"kjv_sp_m2_{tag}_3000_s1"] = ("text2", _sparse(tuned, 1, 2, DENSITIES[d], rule, move) + text2)
+    out.update(grid_cells(tuned, move))
+    return out
+
+
+def grid_cells(tuned, move):
+    """Seeds 1-3, M = 2 and 4: every density x rule with the chosen move, beside the chosen cell (M = 2
+    first: it is the figure of merit's setting)."""
+    out = {}
+    for m in (2, 4):
+        for seed in parity.SEEDS:
+            for d, density in DENSITIES.items():
+                for rule in RULES:
+                    name = f"sp_m{m}_{'_'.join(x for x in (d, rule, move) if x)}_3000_s{seed}"
+                    out.setdefault(name, ("grid", _sparse(tuned, seed, m, density, rule, move)))
     return out
 
 
 def cells():
     parity.cells()  # registers the references
     tune = quality.register(tune_cells())
-    return dict(tune, **quality.register(seeded_cells()))
+    probe = quality.register(probe_cells())
+    return dict(tune, **probe, **quality.register(seeded_cells()))
 
 
 def _loss(name):
@@ -122,9 +153,10 @@ def tune_table():
              "| cell | density | outer rule | final eval loss | gap to DP | gap to dense 4-bit |",
              "|---|---:|---|---:|---:|---:|"]
     best = chosen()
-    for name in tune_cells():
+    probes = probe_cells()
+    for name in list(tune_cells()) + list(probes):
         d, rule, move = _parts(name)
-        mark = " (chosen)" if name == best else ""
+        mark = " (chosen)" if name == best else " (probe, after the seeds ran)" if name in probes else ""
         rule = rule + (f", {move}" if move else "")
         lines.append(f"| `{name}`{mark} | {100 * DENSITIES[d]:g} % | {rule} | {_loss(name)} | "
                      f"{parity._fmt(_gap(name, ref))} | "
@@ -152,12 +184,15 @@ def final_table():
     rows = ["| cells (seeds 1-3) | M | bytes per replica per step (HLO) | fewer bits than fp32 data parallel | "
             "mean paired gap to data parallel (per seed) | to dense 4-bit rotated, same M |",
             "|---|---:|---:|---:|---|---|"]
+    grid = [f"{d}_{r}" + (f"_{move}" if move else "") for d in DENSITIES for r in RULES]
     for m in (2, 4):
-        for prefix in (f"sp_m{m}_{tag}_3000", f"par_m{m}_stream4rot_3000", f"par_m{m}_stream2_3000"):
+        sparse = [f"sp_m{m}_{t}_3000" for t in [tag] + [g for g in grid if g != tag]]
+        for prefix in sparse + [f"par_m{m}_stream4rot_3000", f"par_m{m}_stream2_3000"]:
             names = [f"{prefix}_s{s}" for s in seeds]
-            if not quality.finished(names[0]):
+            done = [n for n in names if quality.finished(n)]
+            if not done:
                 continue
-            b = parity.cross_replica_bytes(names[0])  # the same programs on every seed
+            b = parity.cross_replica_bytes(done[0])  # the same programs on every seed
             rows.append(f"| `{prefix}_s*` | {m} | {common.human(b)} | {parity.data_parallel_bytes(m) / b:,.0f}x | "
                         f"{_paired(zip(names, [f'par_dp_3000_s{s}' for s in seeds]))} | "
                         f"{_paired(zip(names, [f'par_m{m}_stream4rot_3000_s{s}' for s in seeds]))} |")
@@ -183,7 +218,7 @@ def report(no_write, extra_args):
 
 
 def main(argv=None):
-    quality.cli(__doc__, ("tune", "final", "muon", "text2"), cells(), report, argv)
+    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe"), cells(), report, argv)
 
 
 if __name__ == "__main__":

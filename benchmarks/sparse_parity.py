@@ -44,13 +44,14 @@ MOVES = {"alpha0.5": ["diloco.alpha=0.5"]}
 # Moves tried on seed 0 after the seeded cells had run from the choice above. They are reported beside the
 # tune cells but do not take part in the choice: changing it would rename (and orphan) every seeded cell.
 PROBES = {"alpha0.75": ["diloco.alpha=0.75"]}
+_ALL_MOVES = {**MOVES, **PROBES}
 
 
 def _sparse(tuned, seed, m, density, rule, move=None):
     """A sparse cell at parity.py's ``tuned`` (``parity.selection()``) Streaming DiLoCo settings for M = m."""
     s = tuned[("stream", m)]
     return (parity._stream(seed, parity.LONG, m, 2, s, "stream2") + [f"diloco.density={density}"] + RULES[rule](s)
-            + MOVES.get(move, PROBES.get(move, [])))
+            + _ALL_MOVES.get(move, []))
 
 
 def tune_cells():
@@ -88,8 +89,13 @@ def _parts(name):
     """(density key, rule, move or None) of a sparse cell's name."""
     parts = name.split("_")
     d, rule = parts[2], parts[3]
-    move = parts[4] if len(parts) > 5 and (parts[4] in MOVES or parts[4] in PROBES) else None
+    move = parts[4] if len(parts) > 5 and parts[4] in _ALL_MOVES else None
     return d, rule, move
+
+
+def _tag(d, rule, move):
+    """The density/rule/move part of a sparse cell's name (``_parts``' inverse)."""
+    return "_".join(x for x in (d, rule, move) if x)
 
 
 def seeded_cells():
@@ -98,7 +104,7 @@ def seeded_cells():
     if best is None:
         return out
     d, rule, move = _parts(best)
-    tag = "_".join(x for x in (d, rule, move) if x)
+    tag = _tag(d, rule, move)
     tuned = parity.selection()
     for seed in parity.SEEDS:
         for m in (2, 4):
@@ -111,21 +117,16 @@ def seeded_cells():
     text2 = [f"data.path={os.path.relpath(second_text.OUT, common.ROOT)}"]
     out["kjv_dp_3000_s1"] = ("text2", parity._dp(1, parity.LONG, tuned["dp"]) + text2)
     out[f"kjv_sp_m2_{tag}_3000_s1"] = ("text2", _sparse(tuned, 1, 2, DENSITIES[d], rule, move) + text2)
-    out.update(grid_cells(tuned, move))
+    out.update(grid_cells(tuned, (d, rule), move))
     return out
 
 
-def grid_cells(tuned, move):
-    """Seeds 1-3, M = 2 and 4: every density x rule with the chosen move, beside the chosen cell (M = 2
-    first: it is the figure of merit's setting)."""
-    out = {}
-    for m in (2, 4):
-        for seed in parity.SEEDS:
-            for d, density in DENSITIES.items():
-                for rule in RULES:
-                    name = f"sp_m{m}_{'_'.join(x for x in (d, rule, move) if x)}_3000_s{seed}"
-                    out.setdefault(name, ("grid", _sparse(tuned, seed, m, density, rule, move)))
-    return out
+def grid_cells(tuned, chosen_pair, move):
+    """Seeds 1-3, M = 2 and 4: every other density x rule with the chosen move, beside the chosen cell
+    (``chosen_pair``, in the ``final`` group; M = 2 first: it is the figure of merit's setting)."""
+    return {f"sp_m{m}_{_tag(d, rule, move)}_3000_s{seed}": ("grid", _sparse(tuned, seed, m, density, rule, move))
+            for m in (2, 4) for seed in parity.SEEDS for d, density in DENSITIES.items() for rule in RULES
+            if (d, rule) != chosen_pair}
 
 
 def cells():
@@ -179,14 +180,14 @@ def final_table():
     if best is None:
         return "The seeded cells wait for the tune cells."
     d, rule, move = _parts(best)
-    tag = "_".join(x for x in (d, rule, move) if x)
+    tag = _tag(d, rule, move)
     seeds = parity.SEEDS
     rows = ["| cells (seeds 1-3) | M | bytes per replica per step (HLO) | fewer bits than fp32 data parallel | "
             "mean paired gap to data parallel (per seed) | to dense 4-bit rotated, same M |",
             "|---|---:|---:|---:|---|---|"]
-    grid = [f"{d}_{r}" + (f"_{move}" if move else "") for d in DENSITIES for r in RULES]
+    others = [_tag(g, r, move) for g in DENSITIES for r in RULES if _tag(g, r, move) != tag]
     for m in (2, 4):
-        sparse = [f"sp_m{m}_{t}_3000" for t in [tag] + [g for g in grid if g != tag]]
+        sparse = [f"sp_m{m}_{t}_3000" for t in [tag] + others]
         for prefix in sparse + [f"par_m{m}_stream4rot_3000", f"par_m{m}_stream2_3000"]:
             names = [f"{prefix}_s{s}" for s in seeds]
             done = [n for n in names if quality.finished(n)]

@@ -149,7 +149,8 @@ _UNKEYED = {"sample_tokens": _ANY, "data.sp_model": None, "data.require_path": N
             "model.init_std": 0.02,
             # the sparse exchange and the inner optimizer's choice (issue 30), off / AdamW before
             "diloco.density": None, "diloco.chunk": 4096, "diloco.error_decay": None, "optim.name": "adamw",
-            "optim.muon_beta": 0.95}
+            "optim.muon_beta": 0.95,
+            "diloco.keep_unsent": False}  # each replica restarting from the global parameters, as before
 
 
 def cell_dir(name, overrides=None) -> str:

@@ -43,7 +43,9 @@ MUON = ["optim.name=muon"]
 MOVES = {"alpha0.5": ["diloco.alpha=0.5"]}
 # Moves tried on seed 0 after the seeded cells had run from the choice above. They are reported beside the
 # tune cells but do not take part in the choice: changing it would rename (and orphan) every seeded cell.
-PROBES = {"alpha0.75": ["diloco.alpha=0.75"]}
+# keep: each replica restarts from the global parameters less its own decayed accumulator (diloco's
+# keep_unsent, alpha 0), so what a round does not send stays in the replica that made it.
+PROBES = {"alpha0.75": ["diloco.alpha=0.75"], "keep": ["diloco.keep_unsent=true"]}
 _ALL_MOVES = {**MOVES, **PROBES}
 
 

@@ -14,6 +14,8 @@ model at a time (:mod:`loco_jax.fragments`)::
       theta_p        = alpha * theta_p(t + tau) + (1 - alpha) * theta~_p
       theta_global_p = theta~_p
 
+(A sparse exchange with ``keep_unsent`` restarts each replica from ``theta~_p - beta e_p +
+theta_p(t + tau) - theta_p(t)`` instead: :func:`diloco`'s argument.)
 ``P = 1, tau = 0, alpha = 0`` is vanilla DiLoCo (Douillard et al. 2023);
 ``P > 1`` with overlap ``tau >= 1`` is Streaming DiLoCo (Douillard et al.
 2025, arXiv 2501.18512). Fragment 0 holds every leaf outside the transformer
@@ -235,6 +237,7 @@ class Exchange(NamedTuple):
     error_beta: float
     error_bits: int | None  # the quantizer's block size is cfg's
     sparse: sparse_lib.SparseConfig | None = None  # a top-k-per-chunk exchange (sparse_mean) instead of dense
+    keep_unsent: bool = False  # the accumulator rides in the local parameters (sparse_mean, diloco(keep_unsent))
 
     def data_size(self) -> int:
         """``D``: the devices of ``data_axis`` bound in this ``shard_map`` (1 when none)."""
@@ -317,6 +320,9 @@ class Exchange(NamedTuple):
 
             a = beta e + Delta,   s = C(a),   e = a - s,   mean = (1/M) sum_m s^m
 
+        (with ``keep_unsent``, ``a = Delta``: the replica restarted from ``theta~ - beta e``, so its outer
+        gradient already holds the decayed accumulator)
+
         ``C`` keeps each chunk's top-k entries of ``a`` at the payload's bits (:mod:`loco_jax.sparse`); the
         replicas' payloads travel in one ``uint8`` ``all_gather`` and every replica decodes and averages them
         (entries a replica did not send count as zero). The accumulator ``e`` holds what was not sent (and
@@ -326,7 +332,7 @@ class Exchange(NamedTuple):
         """
         m = coll.axis_size(self.axis_name)
         e = quant.load(error, error_scale, self.error_bits, block_size=self.cfg.block_size)[0]
-        acc = loco_lib._rounded(self.error_beta * e, never) + slice_f32
+        acc = slice_f32 if self.keep_unsent else loco_lib._rounded(self.error_beta * e, never) + slice_f32
         payload, sent = self.sparse.encode(acc)
         gathered = coll.on_own_stream(lambda: lax.all_gather(payload, self.axis_name, axis=0, to="invarying"))
 
@@ -338,11 +344,14 @@ class Exchange(NamedTuple):
         return finish(gathered), new, (gathered, finish)
 
 
-def merge(plan, p, mean_delta, global_params, local, outer, outer_state, alpha, delivered):
+def merge(plan, p, mean_delta, global_params, local, outer, outer_state, alpha, delivered, restart=None):
     """Fragment ``p``'s apply: the outer step on the exchanged mean, then the merge into the local parameters::
 
         theta~_p = theta_g,p + OuterOpt_p.update(mean Delta_p),   theta_p = alpha theta_p + (1 - alpha) theta~_p,
         theta_g,p = theta~_p
+
+    ``restart`` (a flat fragment, or None): added to ``theta~_p`` where the local parameters restart
+    (``keep_unsent``: ``theta_p(t + tau) - theta_p(t) - beta e_p``, the replica's own unsent progress).
 
     Where the round was dropped (``delivered`` false: a non-finite mean), the fragment's global parameters,
     outer state and local parameters stay as they are. Returns ``(global_params, local, outer_state)``.
@@ -352,7 +361,8 @@ def merge(plan, p, mean_delta, global_params, local, outer, outer_state, alpha, 
     merged = optax.apply_updates(global_pieces, outer_updates)
     merged_flat = jnp.concatenate([x.astype(jnp.float32).reshape(-1) for x in merged])
     local_flat = plan.extract(local, p)
-    mixed = alpha * local_flat + (1.0 - alpha) * merged_flat
+    target = merged_flat if restart is None else merged_flat + restart
+    mixed = alpha * local_flat + (1.0 - alpha) * target
     merged_flat = jnp.where(delivered, merged_flat, plan.extract(global_params, p))
     mixed = jnp.where(delivered, mixed, local_flat)
     return (plan.insert(global_params, p, merged_flat), plan.insert(local, p, mixed),
@@ -458,6 +468,22 @@ def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, bet
         raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}.")
 
 
+def _validate_keep_unsent(keep_unsent, density, alpha, overlap):
+    if not isinstance(keep_unsent, bool):
+        raise ValueError(f"keep_unsent={keep_unsent!r} must be True or False.")
+    if not keep_unsent:
+        return
+    if density is None:
+        raise ValueError("keep_unsent=True keeps the sparse exchange's unsent accumulator in the local parameters; "
+                         "set density (the dense exchange sends every entry).")
+    if alpha != 0:
+        raise ValueError(f"keep_unsent=True with alpha={alpha}: the replica already keeps all of its own progress; "
+                         "alpha would count it twice (use alpha=0).")
+    if overlap > 1:
+        raise ValueError(f"keep_unsent=True with overlap={overlap}: the restart is made in the program that "
+                         "exchanges, so the overlap must lie in [0, 1].")
+
+
 # The outer exchange's reference (the paper's int/e3m0 payloads, no rotation, no compensation) and the
 # per-bit defaults that ``diloco(bits=b)`` uses when format / rotate / compensate are None, measured at the
 # all-gather, block-256 wire budget (docs/results.md, "Low-bit quality").
@@ -560,7 +586,7 @@ class OuterLoop(NamedTuple):
         inflight, error, error_scale = state.inflight, list(state.error), list(state.error_scale)
         dropped = state.dropped
 
-        mean_now = codes_now = None
+        mean_now = codes_now = restart = None
         if ph.send is not None:
             p = ph.send
             k = self.ex.slice_len(sizes[p], d, m)
@@ -569,6 +595,10 @@ class OuterLoop(NamedTuple):
             stored_error = (error[p], error_scale[p]) if error else (None, None)
             mean_slice, stored, codes = self.ex.mean(self.ex.my_slice(delta, k, d), p, *stored_error,
                                                      never=state.step < 0)
+            if self.ex.keep_unsent:  # overlap <= 1: this program applies it too (diloco's check)
+                held = quant.load(*stored, self.ex.error_bits, block_size=self.ex.cfg.block_size)[0]
+                held = self.ex.gather_slices(self.ex.error_beta * held, sizes[p], d)
+                restart = plan.extract(local, p) - plan.extract(snapshot, p) - held
             # the same on every replica: they all decoded the same payloads
             sent_ok = replica_finite(mean_slice, self.ex.axis_name)
             dropped = dropped + (~sent_ok).astype(jnp.int32)
@@ -592,7 +622,7 @@ class OuterLoop(NamedTuple):
             # a dropped round (now, or at its send step): the fragment keeps its values
             delivered = replica_finite(mean_slice, self.ex.axis_name)
             global_params, local, outer_states[p] = merge(plan, p, mean_delta, global_params, local, self.outer,
-                                                          outer_states[p], self.alpha, delivered)
+                                                          outer_states[p], self.alpha, delivered, restart)
 
         updates = jax.tree.map(lambda new, old: new - old, local, params)
         return updates, DiLoCoState(
@@ -643,6 +673,7 @@ def diloco(
     chunk: int = sparse_lib.DEFAULT_CHUNK,
     index_bits: int | None = None,
     error_decay: float | None = None,
+    keep_unsent: bool = False,
 ) -> DiLoCo:
     """(Streaming) DiLoCo around ``inner``; see the module docstring for the maths.
 
@@ -683,11 +714,19 @@ def diloco(
         position width (None: log2(chunk)); :func:`loco_jax.sparse.sparse_config`.
       error_decay: the sparse accumulator's decay ``beta`` in (0, 1] (None:
         1, plain error feedback): ``e <- beta e + Delta``.
+      keep_unsent: a sparse exchange whose replicas keep their own unsent
+        progress: each restarts from ``theta~ - beta e + theta(t + tau) -
+        theta(t)`` instead of ``theta~``, and its next outer gradient is its
+        whole displacement from the global parameters, ``a = Delta``
+        (which then holds ``beta e``). Needs ``alpha=0`` (alpha would count
+        the local progress twice) and ``overlap <= 1`` (the restart is made
+        in the program that exchanges).
     """
     sparse_cfg, format, compensate, rotate, error_decay, error_bits = _resolve_exchange(
         bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk, index_bits)
     _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, error_beta, error_bits, block_size,
               rotate)
+    _validate_keep_unsent(keep_unsent, density, alpha, overlap)
     if rotate and bits is None:
         raise ValueError("rotate=True rotates a quantized exchange, but bits=None exchanges exact fp32; set bits.")
     if compensate and bits is None:
@@ -695,7 +734,7 @@ def diloco(
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     ex = Exchange(axis_name, data_axis, bits, coll.QuantConfig(bits or 8, block_size, format, rotate, seed), mode,
-                  compensate, error_beta if sparse_cfg is None else error_decay, error_bits, sparse_cfg)
+                  compensate, error_beta if sparse_cfg is None else error_decay, error_bits, sparse_cfg, keep_unsent)
     schedule = dict(sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
 
     @functools.lru_cache(maxsize=8)

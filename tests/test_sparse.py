@@ -225,3 +225,57 @@ def test_the_trainer_with_a_sparse_exchange_learns_and_resumes_bit_identically(t
     resumed = train_and_evaluate(small_config(text_file, **sets), resumed_dir, log=quiet)
     for a, b in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight["state"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(bits=2), "keep_unsent=True keeps the sparse exchange's unsent accumulator"),
+    (dict(bits=2, density=0.01, alpha=0.5), "keep_unsent=True with alpha=0.5"),
+    (dict(bits=2, density=0.01, overlap=2), "keep_unsent=True with overlap=2"),
+    (dict(bits=2, density=0.01, keep_unsent=1), "keep_unsent=1 must be True or False"),
+])
+def test_keep_unsent_is_refused_where_its_bookkeeping_cannot_hold(kwargs, match):
+    kwargs = {"keep_unsent": True, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        diloco.diloco(optax.sgd(0.1), sync_every=8, num_fragments=2, **kwargs)
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_keep_unsent_sends_the_whole_displacement_and_restarts_each_replica_beside_its_unsent_accumulator(
+        mesh, overlap):
+    """A second round of fragment 0 with keep_unsent, against a NumPy re-derivation from the state before it:
+    a = theta_g - theta(t) on each device's slice, s = C(a), e = a - s, theta~ = theta_g - mean_m s_m (plain
+    SGD at lr 1), and each replica restarts from theta~ - beta e + theta(t + tau) - theta(t), where
+    theta(t + tau) is its inner step alone (the same program with no exchange)."""
+    beta, chunk = 0.9, 64
+    tx = diloco.diloco(inner_adamw(), sync_every=4, num_fragments=2, overlap=overlap, bits=2, density=1 / 16,
+                       chunk=chunk, keep_unsent=True, **diloco.sparseloco_rule(lr=1.0, beta=beta))
+    run = Run(mesh, tx, width=16)
+    xs, ys = make_data(9)
+    t_apply = 8 + overlap  # fragment 0 syncs after steps 4 and 8; this is the second round's apply step
+    for t in range(1, t_apply):
+        run.step(t, xs[t - 1], ys[t - 1])
+    assert tx.phase(t_apply).apply == 0 and np.abs(np.asarray(run.state.error[0])).sum() > 0
+    plan = tx.plan(make_params(width=16))
+    size = plan.fragment_sizes()[0]
+    before = [np.asarray(plan.extract(local(run.params, r), 0)) for r in range(M)]
+    theta_g = np.asarray(plan.extract(jax.tree.map(np.asarray, diloco.global_params(run.state)), 0))
+    # theta(t + tau): the inner step alone, from the same params and state (overlap 0: theta(t) is after it)
+    quiet = run.program(diloco.Phase())(run.params, run.state, put(mesh, xs[t_apply - 1], P(DEVICES)),
+                                        put(mesh, ys[t_apply - 1], P(DEVICES)))[0]
+    stepped = [np.asarray(plan.extract(local(quiet, r), 0)) for r in range(M)]
+    snapshot = stepped if overlap == 0 else before
+    run.step(t_apply, xs[t_apply - 1], ys[t_apply - 1])
+
+    cfg = sparse.sparse_config(1 / 16, chunk=chunk, bits=2, format=diloco.SPARSE_FORMATS[2])
+    unit = np.lcm(chunk, quant.DEFAULT_BLOCK_SIZE)  # a slice is whole chunks and whole blocks of the stored error
+    k = max(-(-size // D // unit) * unit, unit)
+    slices = [np.pad(theta_g - snapshot[r], (0, k * D - size)).reshape(D, k) for r in range(M)]
+    sent = np.stack([[numpy_sparse(slices[r][j], cfg) for j in range(D)] for r in range(M)])
+    error = np.stack(slices) - sent
+    new_global = theta_g - sent.mean(axis=0).reshape(-1)[:size]
+    got_global = np.asarray(plan.extract(jax.tree.map(np.asarray, diloco.global_params(run.state)), 0))
+    np.testing.assert_allclose(got_global, new_global, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(run.state.error[0]).reshape(M, D, k), error, rtol=1e-5, atol=1e-6)
+    for r in range(M):
+        want = new_global - beta * error[r].reshape(-1)[:size] + stepped[r] - snapshot[r]
+        np.testing.assert_allclose(np.asarray(plan.extract(local(run.params, r), 0)), want, rtol=1e-5, atol=1e-6)

@@ -161,6 +161,9 @@ class DilocoFields:
     density: float | None = None
     chunk: int = DEFAULT_CHUNK
     error_decay: float | None = None
+    # True: each replica keeps its own unsent progress (restarts from the global parameters less its decayed
+    # accumulator instead of the global parameters); needs alpha=0 and overlap <= 1 (diloco.diloco(keep_unsent)).
+    keep_unsent: bool = False
 
 
 @dataclasses.dataclass

@@ -128,7 +128,7 @@ def make_optimizer(cfg: config_lib.Config, shard_dims=None, norm_dims=None, grou
         inner, sync_every=d.sync_every, outer=outer, num_fragments=d.num_fragments, overlap=d.overlap,
         alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, rotate=d.rotate, mode=d.mode,
         block_size=d.block_size, preset=d.preset, seed=cfg.seed, data_axis=None if sharded else "data",
-        density=d.density, chunk=d.chunk, error_decay=d.error_decay,
+        density=d.density, chunk=d.chunk, error_decay=d.error_decay, keep_unsent=d.keep_unsent,
     )
 
 

@@ -40,8 +40,10 @@ def test_a_dead_peer_ends_the_survivor_with_one_message_and_rerunning_both_resum
     coordinator's process dies, jax's runtime aborts the survivor and the supervising train.py reports
     it; the heartbeat bounds the rest), print one message naming the latest complete checkpoint and the
     command to resume, and print no stack trace."""
-    steps = 60  # data parallel with LoCo 4-bit: one step program, every step crosses the processes
-    cfg = small_config(text_file, steps=steps, checkpoint_every=10, eval_every=60, log_every=2,
+    # data parallel with LoCo 4-bit: one step program, every step crosses the processes; 18 steps are left
+    # after the kill, so the survivor is still training when its peer dies
+    steps = 30
+    cfg = small_config(text_file, steps=steps, checkpoint_every=10, eval_every=steps, log_every=2,
                        **{"mesh.replicas": 1, "diloco.enabled": False})
     config_path = write_config_file(tmp_path / "cfg.py", cfg)
     workdir, port, heartbeat = str(tmp_path / "run"), _free_port(), 5

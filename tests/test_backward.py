@@ -155,8 +155,9 @@ def test_in_backward_trainer_with_diloco_and_fsdp_resumes_bit_identically(text_f
     from loco_jax.training.metrics import read_metrics
     from tests.test_trainer import small_config
 
+    # 10 steps: fragments 0 and 1 sync (steps 7 and 9), before and after the resume point
     sets = {"loco.in_backward": True, "mesh.fsdp": True, "model.scan_layers": True, "model.remat": True,
-            "accum_steps": 2}
+            "accum_steps": 2, "steps": 10}
     straight = train_and_evaluate(small_config(text_file, **sets), str(tmp_path / "a"), log=quiet)
     losses = [r["loss"] for r in read_metrics(str(tmp_path / "a")) if "loss" in r]
     assert losses[-1] < losses[0]

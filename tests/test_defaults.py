@@ -58,10 +58,11 @@ def test_a_saved_run_keeps_its_settings_and_an_old_one_its_reference():
 
 def test_config_json_records_the_resolved_settings_and_an_old_workdir_resumes(text_file, tmp_path):  # noqa: F811
     workdir = str(tmp_path)
-    cfg = small_config(text_file, **{"loco.bits": "2", "diloco.bits": "2"})
+    # 8 steps: the resume from step 6 runs fragment 0's round (step 7) and a quiet step, two of the programs
+    cfg = small_config(text_file, **{"loco.bits": "2", "diloco.bits": "2", "steps": 8})
     # the first half runs the settings an older version ran (the reference), as that version would have
     first = small_config(text_file, **{"loco.bits": "2", "diloco.bits": "2", "loco.preset": "reference",
-                                       "diloco.preset": "reference"})
+                                       "diloco.preset": "reference", "steps": 8})
     train_and_evaluate(first, workdir, log=quiet, stop_after=6)
     path = os.path.join(workdir, "config.json")
     saved = json.load(open(path))
@@ -77,7 +78,7 @@ def test_config_json_records_the_resolved_settings_and_an_old_workdir_resumes(te
     lines = []
     summary = train_and_evaluate(cfg, workdir, log=lines.append)
     assert any("resumed from checkpoint at step 6" in line for line in lines)
-    assert summary["last_step"] == 12
+    assert summary["last_step"] == 8
     resumed = json.load(open(path))
     assert {n: resumed["loco"][n] for n in config_lib.RESOLVED_FIELDS["loco"]} == loco.REFERENCE
     assert {n: resumed["diloco"][n] for n in config_lib.RESOLVED_FIELDS["diloco"]} == diloco.REFERENCE

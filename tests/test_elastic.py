@@ -100,12 +100,14 @@ def test_elastic_resume_through_the_trainer_logs_and_trains_on(first_half, tmp_p
     src, cfg, before = first_half
     workdir = _copy(src, str(tmp_path / "run"))
     logs = []
-    summary = train_and_evaluate(small_config(cfg.data.path, **{"mesh.replicas": 4}), workdir, log=logs.append)
+    # to step 8: fragment 0's round (step 7's program) and a quiet step on the new mesh, two of its programs
+    new_cfg = small_config(cfg.data.path, **{"mesh.replicas": 4, "steps": 8})
+    summary = train_and_evaluate(new_cfg, workdir, log=logs.append)
     assert any("elastic restart at step 6" in line for line in logs), logs
-    assert summary["last_step"] == cfg.steps and np.isfinite(summary["eval_loss"])
+    assert summary["last_step"] == new_cfg.steps and np.isfinite(summary["eval_loss"])
     rows = read_metrics(workdir)
-    assert [r["step"] for r in rows if "loss" in r] == list(range(2, cfg.steps + 1, 2))  # nothing logged twice
-    assert int(summary["state"].opt_state.step) == cfg.steps
+    assert [r["step"] for r in rows if "loss" in r] == list(range(2, new_cfg.steps + 1, 2))  # nothing logged twice
+    assert int(summary["state"].opt_state.step) == new_cfg.steps
 
 
 def test_data_four_to_two_in_a_process_with_four_devices(first_half, tmp_path):

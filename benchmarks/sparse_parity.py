@@ -7,6 +7,7 @@
     python benchmarks/sparse_parity.py --group text2     # seed 1, M = 2, on the second text: DP and the chosen cell
     python benchmarks/sparse_parity.py --group grid      # seeds 1-3, M = 2 and 4: the other density x rule cells
     python benchmarks/sparse_parity.py --group probe     # seed 0, M = 2: moves tried after the seeds had run
+    python benchmarks/sparse_parity.py --group tune4     # seed 0, M = 4: both rules at the chosen density and move
     python benchmarks/sparse_parity.py --report
 
 Model, data, run length (3,000 steps), H = 30, 3 fragments, overlap 1 and the tuned Streaming DiLoCo
@@ -79,6 +80,18 @@ def probe_cells():
             for move in PROBES}
 
 
+def tune4_cells():
+    """Seed 0, M = 4: both outer rules at the chosen cell's density and move (run after the seeds: they show
+    whether seed 0 picks at M = 4 the rule seeds 1-3 rank first there, not a choice that renames cells)."""
+    best = chosen()
+    if best is None:
+        return {}
+    d, _, move = _parts(best)
+    tuned = parity.selection()
+    return {f"sp_m4_{_tag(d, rule, move)}_s0": ("tune4", _sparse(tuned, 0, 4, DENSITIES[d], rule, move))
+            for rule in RULES}
+
+
 def chosen():
     """The seed-0 tune cell with the lowest final eval loss, or None until every tune cell has finished."""
     names = list(tune_cells())
@@ -135,7 +148,7 @@ def cells():
     parity.cells()  # registers the references
     tune = quality.register(tune_cells())
     probe = quality.register(probe_cells())
-    return dict(tune, **probe, **quality.register(seeded_cells()))
+    return dict(tune, **probe, **quality.register(tune4_cells()), **quality.register(seeded_cells()))
 
 
 def _loss(name):
@@ -164,6 +177,19 @@ def tune_table():
         lines.append(f"| `{name}`{mark} | {100 * DENSITIES[d]:g} % | {rule} | {_loss(name)} | "
                      f"{parity._fmt(_gap(name, ref))} | "
                      f"{parity._fmt(_gap(name, 'par_m2_stream4_momentum0.8_alpha0_lr0.005_s0'))} |")
+    return "\n".join(lines)
+
+
+def tune4_table():
+    ref, dense = "par_dp_lr0.002_s0", parity._best("par_m4_stream4")
+    lines = [f"Seed 0, M = 4, {parity.LONG:,} steps (run after seeds 1-3); gap to data parallel (`{ref}`) and to the "
+             f"tuned dense 4-bit exchange at M = 4 (`{dense}`).", "",
+             "| cell | density | outer rule | final eval loss | gap to DP | gap to dense 4-bit |",
+             "|---|---:|---|---:|---:|---:|"]
+    for name in tune4_cells():
+        d, rule, move = _parts(name)
+        lines.append(f"| `{name}` | {100 * DENSITIES[d]:g} % | {rule}{f', {move}' if move else ''} | {_loss(name)} | "
+                     f"{parity._fmt(_gap(name, ref))} | {parity._fmt(_gap(name, dense)) if dense else ''} |")
     return "\n".join(lines)
 
 
@@ -215,13 +241,14 @@ def report(no_write, extra_args):
         __doc__.split("\n\n", 1)[1].strip(),
         "Each cell's command: `python benchmarks/sparse_parity.py --list`.",
         "### Tuning on seed 0", tune_table(),
+        "### Seed 0 at M = 4", tune4_table(),
         f"### Seeds 1-3 at {parity.LONG:,} steps", final_table(),
     ])
     common.report(HEADING, body, no_write=no_write, extra_args=extra_args)
 
 
 def main(argv=None):
-    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe"), cells(), report, argv)
+    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4"), cells(), report, argv)
 
 
 if __name__ == "__main__":

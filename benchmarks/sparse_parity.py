@@ -69,27 +69,27 @@ def tune_cells():
     return out
 
 
-def probe_cells():
-    """The late moves, from the chosen cell's density and rule (seed 0, M = 2)."""
+def _from_chosen(group, m, variants):
+    """Seed-0 cells at M = ``m`` from the chosen cell's density: ``variants(rule, move)`` gives the (rule,
+    move) pairs to run."""
     best = chosen()
     if best is None:
         return {}
-    d, rule, _ = _parts(best)
+    d, rule, move = _parts(best)
     tuned = parity.selection()
-    return {f"sp_m2_{d}_{rule}_{move}_s0": ("probe", _sparse(tuned, 0, 2, DENSITIES[d], rule, move))
-            for move in PROBES}
+    return {f"sp_m{m}_{_tag(d, r, mv)}_s0": (group, _sparse(tuned, 0, m, DENSITIES[d], r, mv))
+            for r, mv in variants(rule, move)}
+
+
+def probe_cells():
+    """The late moves, from the chosen cell's density and rule (seed 0, M = 2)."""
+    return _from_chosen("probe", 2, lambda rule, _: [(rule, mv) for mv in PROBES])
 
 
 def tune4_cells():
     """Seed 0, M = 4: both outer rules at the chosen cell's density and move (run after the seeds: they show
     whether seed 0 picks at M = 4 the rule seeds 1-3 rank first there, not a choice that renames cells)."""
-    best = chosen()
-    if best is None:
-        return {}
-    d, _, move = _parts(best)
-    tuned = parity.selection()
-    return {f"sp_m4_{_tag(d, rule, move)}_s0": ("tune4", _sparse(tuned, 0, 4, DENSITIES[d], rule, move))
-            for rule in RULES}
+    return _from_chosen("tune4", 4, lambda _, move: [(r, move) for r in RULES])
 
 
 def chosen():

@@ -161,35 +161,36 @@ def _gap(name, ref):
     return 100 * (quality.final(name) / quality.final(ref) - 1)
 
 
+DP_S0 = "par_dp_lr0.002_s0"  # data parallel at its chosen lr, seed 0
+SEED0_HEADER = ["| cell | density | outer rule | final eval loss | gap to DP | gap to dense 4-bit |",
+                "|---|---:|---|---:|---:|---:|"]
+
+
+def _seed0_row(name, dense, mark=""):
+    """A seed-0 cell's row: its settings, final eval loss and gaps to data parallel and to ``dense``."""
+    d, rule, move = _parts(name)
+    rule = rule + (f", {move}" if move else "")
+    return (f"| `{name}`{mark} | {100 * DENSITIES[d]:g} % | {rule} | {_loss(name)} | "
+            f"{parity._fmt(_gap(name, DP_S0))} | {parity._fmt(_gap(name, dense)) if dense else ''} |")
+
+
 def tune_table():
-    ref = "par_dp_lr0.002_s0"
-    lines = [f"Seed 0, M = 2, {parity.LONG:,} steps; gap to data parallel at its chosen lr (`{ref}`) and to the "
-             "tuned dense 4-bit exchange (`par_m2_stream4_momentum0.8_alpha0_lr0.005_s0`, the int exchange it was "
-             "tuned with).", "",
-             "| cell | density | outer rule | final eval loss | gap to DP | gap to dense 4-bit |",
-             "|---|---:|---|---:|---:|---:|"]
+    dense = "par_m2_stream4_momentum0.8_alpha0_lr0.005_s0"
+    lines = [f"Seed 0, M = 2, {parity.LONG:,} steps; gap to data parallel at its chosen lr (`{DP_S0}`) and to the "
+             f"tuned dense 4-bit exchange (`{dense}`, the int exchange it was tuned with).", ""] + SEED0_HEADER
     best = chosen()
     probes = probe_cells()
     for name in list(tune_cells()) + list(probes):
-        d, rule, move = _parts(name)
         mark = " (chosen)" if name == best else " (probe, after the seeds ran)" if name in probes else ""
-        rule = rule + (f", {move}" if move else "")
-        lines.append(f"| `{name}`{mark} | {100 * DENSITIES[d]:g} % | {rule} | {_loss(name)} | "
-                     f"{parity._fmt(_gap(name, ref))} | "
-                     f"{parity._fmt(_gap(name, 'par_m2_stream4_momentum0.8_alpha0_lr0.005_s0'))} |")
+        lines.append(_seed0_row(name, dense, mark))
     return "\n".join(lines)
 
 
 def tune4_table():
-    ref, dense = "par_dp_lr0.002_s0", parity._best("par_m4_stream4")
-    lines = [f"Seed 0, M = 4, {parity.LONG:,} steps (run after seeds 1-3); gap to data parallel (`{ref}`) and to the "
-             f"tuned dense 4-bit exchange at M = 4 (`{dense}`).", "",
-             "| cell | density | outer rule | final eval loss | gap to DP | gap to dense 4-bit |",
-             "|---|---:|---|---:|---:|---:|"]
-    for name in tune4_cells():
-        d, rule, move = _parts(name)
-        lines.append(f"| `{name}` | {100 * DENSITIES[d]:g} % | {rule}{f', {move}' if move else ''} | {_loss(name)} | "
-                     f"{parity._fmt(_gap(name, ref))} | {parity._fmt(_gap(name, dense)) if dense else ''} |")
+    dense = parity._best("par_m4_stream4")
+    lines = [f"Seed 0, M = 4, {parity.LONG:,} steps (run after seeds 1-3); gap to data parallel (`{DP_S0}`) and to "
+             f"the tuned dense 4-bit exchange at M = 4 (`{dense}`).", ""] + SEED0_HEADER
+    lines += [_seed0_row(name, dense) for name in tune4_cells()]
     return "\n".join(lines)
 
 

@@ -331,8 +331,11 @@ class Exchange(NamedTuple):
         fp32). Returns what :meth:`mean` does (no rotation: ``codes``' finish gives the mean itself).
         """
         m = coll.axis_size(self.axis_name)
-        e = quant.load(error, error_scale, self.error_bits, block_size=self.cfg.block_size)[0]
-        acc = slice_f32 if self.keep_unsent else loco_lib._rounded(self.error_beta * e, never) + slice_f32
+        if self.keep_unsent:  # the replica's parameters already hold beta e
+            acc = slice_f32
+        else:
+            e = quant.load(error, error_scale, self.error_bits, block_size=self.cfg.block_size)[0]
+            acc = loco_lib._rounded(self.error_beta * e, never) + slice_f32
         payload, sent = self.sparse.encode(acc)
         gathered = coll.on_own_stream(lambda: lax.all_gather(payload, self.axis_name, axis=0, to="invarying"))
 
@@ -591,14 +594,15 @@ class OuterLoop(NamedTuple):
             p = ph.send
             k = self.ex.slice_len(sizes[p], d, m)
             snapshot = local if self.overlap == 0 else params  # params of step t+1 are theta(t)
-            delta = plan.extract(global_params, p) - plan.extract(snapshot, p)
+            snapshot_p = plan.extract(snapshot, p)
+            delta = plan.extract(global_params, p) - snapshot_p
             stored_error = (error[p], error_scale[p]) if error else (None, None)
             mean_slice, stored, codes = self.ex.mean(self.ex.my_slice(delta, k, d), p, *stored_error,
                                                      never=state.step < 0)
             if self.ex.keep_unsent:  # overlap <= 1: this program applies it too (diloco's check)
                 held = quant.load(*stored, self.ex.error_bits, block_size=self.ex.cfg.block_size)[0]
                 held = self.ex.gather_slices(self.ex.error_beta * held, sizes[p], d)
-                restart = plan.extract(local, p) - plan.extract(snapshot, p) - held
+                restart = plan.extract(local, p) - snapshot_p - held
             # the same on every replica: they all decoded the same payloads
             sent_ok = replica_finite(mean_slice, self.ex.axis_name)
             dropped = dropped + (~sent_ok).astype(jnp.int32)

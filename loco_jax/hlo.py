@@ -105,6 +105,8 @@ __all__ = [
     "human_bytes",
     "replica_groups",
     "COLLECTIVE_KINDS",
+    "UnorderedCollectives",
+    "unordered_collectives",
 ]
 
 COLLECTIVE_KINDS = (
@@ -879,7 +881,6 @@ class _Walker:
         per_dev = _ring_bytes(kind, n, payload)
         uniq = sorted(set(dtypes), key=dtypes.index)
         dtype = uniq[0] if len(uniq) == 1 else "mixed(" + ",".join(uniq) + ")"
-        om = re.search(r'op_name="((?:[^"\\]|\\.)*)"', ins.attrs.get("metadata", ""))
         self.ops.append(
             CollectiveOp(
                 kind=kind,
@@ -899,10 +900,16 @@ class _Walker:
                 branch_path=path,
                 name=ins.name,
                 is_async=is_start,
-                op_name=om.group(1) if om else "",
+                op_name=_op_name(ins),
                 groups=replica_groups(ins.attrs.get("replica_groups")) if kind != "collective-permute" else None,
             )
         )
+
+
+def _op_name(ins: _Instr) -> str:
+    """The JAX source op an instruction came from (its metadata's ``op_name``), or ""."""
+    om = re.search(r'op_name="((?:[^"\\]|\\.)*)"', ins.attrs.get("metadata", ""))
+    return om.group(1) if om else ""
 
 
 def _hlo_text(compiled: Any) -> str:
@@ -950,3 +957,109 @@ def _report_of_text(text: str) -> CollectiveReport:
         replica_count=module.replica_count,
         num_partitions=module.num_partitions,
     )
+
+
+# ---------------------------------------------------------------------------
+# Order between collectives
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class UnorderedCollectives:
+    """Two collectives (or calls, loops or branches holding collectives) of one computation that no chain
+    of operands or control predecessors orders: a runtime may start either first."""
+
+    computation: str
+    first: str
+    second: str
+    first_op_name: str = ""
+    second_op_name: str = ""
+
+    def __str__(self) -> str:
+        what = lambda name, op: f"{name} ({op})" if op else name
+        return (f"in {self.computation}: {what(self.first, self.first_op_name)} and "
+                f"{what(self.second, self.second_op_name)} are not ordered")
+
+
+_CALLEE_KEYS = ("body", "condition", "branch_computations", "true_computation", "false_computation", "calls",
+                "to_apply", "called_computations")
+
+
+def unordered_collectives(compiled: Any) -> list[UnorderedCollectives]:
+    """Every pair of collectives of ``compiled`` that may run in either order.
+
+    XLA:CPU's runtime runs a program's independent instructions in any order it likes, on each device
+    separately; two collectives that no data or control dependence orders can then start in different
+    orders on different devices, and each device waits at a rendezvous the others never reach. A program
+    is safe from that when every pair of its collective *sites* is ordered: in each computation reached
+    from ENTRY, a site is a collective (or its async start), or a ``while``/``conditional``/``call``/
+    ``async-start`` whose computations hold one (the pairs inside them are checked in turn). A pair is
+    ordered when one site reaches the other through operands and ``control-predecessors``. Reduction
+    computations (``to_apply`` of a reduce) and fusions hold no collectives and are not walked.
+
+    ``compiled``: as for :func:`collective_bytes`. Returns an empty list for a program whose collectives
+    run in one order on every device.
+    """
+    module = _parse_module(_hlo_text(compiled), every_instruction=True)
+    holds: dict[str, bool] = {}
+
+    def callees(ins: _Instr) -> list[str]:
+        if ins.opcode in ("fusion",) or _collective_kind(ins.opcode)[0] is not None:
+            return []
+        return [c for k in _CALLEE_KEYS if k in ins.attrs for c in _comp_names(ins.attrs[k]) if c in module.comps]
+
+    def is_site(ins: _Instr) -> bool:
+        kind, _ = _collective_kind(ins.opcode)
+        if kind is not None:
+            return True
+        if ins.opcode.endswith("-done") or ins.opcode.endswith("-update"):
+            return False
+        return any(comp_holds(c) for c in callees(ins))
+
+    def comp_holds(name: str, stack: tuple = ()) -> bool:
+        if name not in holds:
+            if name in stack:
+                return False
+            holds[name] = any(_collective_kind(i.opcode)[0] is not None
+                              or any(comp_holds(c, stack + (name,)) for c in callees(i))
+                              for i in module.comps[name].instrs)
+        return holds[name]
+
+    out: list[UnorderedCollectives] = []
+    seen: set[str] = set()
+    todo = [module.entry] if module.entry else []
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in module.comps:
+            continue
+        seen.add(name)
+        comp = module.comps[name]
+        index = {ins.name: i for i, ins in enumerate(comp.instrs)}
+        preds = [[index[o] for o in ins.operands + _comp_names(ins.attrs.get("control-predecessors", ""))
+                  if o in index] for ins in comp.instrs]
+        ancestors: list[int | None] = [None] * len(comp.instrs)
+        for root in range(len(comp.instrs)):  # iterative DFS: a bit set of ancestors per instruction
+            stack = [root]
+            while stack:
+                i = stack[-1]
+                if ancestors[i] is not None:
+                    stack.pop()
+                    continue
+                missing = [p for p in preds[i] if ancestors[p] is None]
+                if missing:
+                    stack.extend(missing)
+                    continue
+                bits = 0
+                for p in preds[i]:
+                    bits |= (ancestors[p] or 0) | (1 << p)
+                ancestors[i] = bits
+                stack.pop()
+        sites = [i for i, ins in enumerate(comp.instrs) if is_site(ins)]
+        for a_pos, a in enumerate(sites):
+            for b in sites[a_pos + 1:]:
+                if not (ancestors[b] >> a) & 1 and not (ancestors[a] >> b) & 1:
+                    ia, ib = comp.instrs[a], comp.instrs[b]
+                    out.append(UnorderedCollectives(name, ia.name, ib.name, _op_name(ia), _op_name(ib)))
+        for i in sites:
+            todo.extend(callees(comp.instrs[i]))
+    return out

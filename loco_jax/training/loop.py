@@ -183,7 +183,7 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard, profile_
     # Reads at the start are fine: the loop below reads the device only at sync steps.
     counts_seen = trainer.skipped(state)
     offset = _schedule_offset(trainer, state, start) if latest is not None else 0
-    window = _Window(cfg.batch_size * cfg.seq_len, trainer.replica_mean, counts_seen, trainer.replica_values)
+    window = _Window(cfg.batch_size * cfg.seq_len, trainer.read_steps, counts_seen)
     if latest is not None:  # the steps since the last log row, read when the checkpoint was written
         window.carry_unlogged(meta.get("unlogged", []))
     eval_loss, last_saved = None, start
@@ -317,18 +317,31 @@ def _schedule_offset(trainer, state, start):
     return start - int(state.opt_state.step)
 
 
+def _read_on_host(outs):
+    """:meth:`Trainer.read_steps` for outputs that need no cross-replica program (one replica's, or host
+    values): the same rows, computed with NumPy."""
+    got = jax.device_get(outs)
+    rows = {"loss": np.array([np.mean(o["loss"]) for o in got]),
+            "grad_rms": np.array([np.mean(o["grad_rms"]) for o in got]),
+            "skipped": np.array([np.atleast_1d(o["skipped"]) for o in got])}
+    if got and "dropped" in got[0]:
+        rows["dropped"] = np.array([o["dropped"] for o in got])
+    return rows
+
+
 class _Window:
     """The per-step outputs (loss, gradient RMS, skip counts) since the last sync step, kept on device.
 
-    ``read()`` averages each step's per-replica loss and gradient RMS over the replicas on device (the
-    only cross-replica reduction of metrics, at sync steps; ``replica_mean``) and brings them to the host
-    in one ``jax.device_get``; a log row averages every step since the previous log row (the logged loss
-    is the interval's mean, not one step's). A checkpoint records the steps read but not yet logged
-    (``meta["unlogged"]``), so a resumed run logs the same means.
+    ``read()`` brings every step read since the last sync step to the host with ``read_steps``
+    (:meth:`~loco_jax.training.trainer.Trainer.read_steps`: one program and one transfer, the mean of each
+    step's per-replica loss and gradient RMS over the replicas, and every replica's skip counts); a log row
+    averages every step since the previous log row (the logged loss is the interval's mean, not one
+    step's). A checkpoint records the steps read but not yet logged (``meta["unlogged"]``), so a resumed
+    run logs the same means.
     """
 
-    def __init__(self, tokens_per_step, replica_mean=lambda x: x, counts=None, replica_values=lambda x: x):
-        self.tokens_per_step, self.replica_mean, self.replica_values = tokens_per_step, replica_mean, replica_values
+    def __init__(self, tokens_per_step, read_steps=_read_on_host, counts=None):
+        self.tokens_per_step, self.read_steps = tokens_per_step, read_steps
         self.on_device, self.host = [], []  # (step, out) not yet read; read but not yet logged
         # the latest skip counts read: per-replica skipped steps, dropped outer rounds (Trainer.skipped)
         self.counts = counts or {"skipped": np.zeros(1, int), "dropped": 0}
@@ -345,13 +358,16 @@ class _Window:
         self.on_device.append((step, out))
 
     def read(self):
+        if not self.on_device:
+            self._new = []
+            return
         steps = [s for s, _ in self.on_device]
-        outs = jax.device_get([dict(o, loss=self.replica_mean(o["loss"]), grad_rms=self.replica_mean(o["grad_rms"]),
-                                    skipped=self.replica_values(o["skipped"])) for _, o in self.on_device])
+        rows = self.read_steps([o for _, o in self.on_device])
         self.on_device = []
-        self._new = [(s, {"skipped": np.atleast_1d(o["skipped"]).astype(int), "dropped": int(o.get("dropped", 0))})
-                     for s, o in zip(steps, outs)]
-        self.host += [(s, float(o["loss"]), float(o["grad_rms"])) for s, o in zip(steps, outs)]
+        dropped = rows.get("dropped", np.zeros(len(steps), int))
+        self._new = [(s, {"skipped": np.asarray(rows["skipped"][i]).astype(int), "dropped": int(dropped[i])})
+                     for i, s in enumerate(steps)]
+        self.host += [(s, float(rows["loss"][i]), float(rows["grad_rms"][i])) for i, s in enumerate(steps)]
 
     def new_faults(self, seen, phase_of):
         """(step, what happened) for every non-finite step read since the counts ``seen``, oldest first.
@@ -410,18 +426,31 @@ def _check_replicas_identical(trainer, state, resumed):
 
     A fresh run compares the local parameters (each replica's block); a resumed
     one compares every device's copy of the global parameters (local ones
-    differ between syncs by design). A checksum over ``replica`` on device.
+    differ between syncs by design). The largest max - min over ``replica``, on device
+    (:func:`_replica_gap`).
     """
     if not trainer.cfg.diloco.enabled or trainer.m == 1:
         return
     tree, spec = ((diloco.global_params(state.opt_state), trainer.global_param_specs) if resumed
                   else (state.params, trainer.param_specs))
-    # max - min over replicas is exact (a pmean of identical values rounds for most replica counts); the max
-    # over data covers FSDP, where each data device compares its own shard
-    gap_fn = lambda t: lax.pmax(sum(jnp.max(lax.pmax(x, "replica") - lax.pmin(x, "replica")) for x in jax.tree.leaves(t)),
-                                "data")
-    fn = jax.jit(jax.shard_map(gap_fn, mesh=trainer.mesh, in_specs=(spec,), out_specs=P(), check_vma=False))
+    fn = jax.jit(jax.shard_map(_replica_gap, mesh=trainer.mesh, in_specs=(spec,), out_specs=P(), check_vma=False))
     gap = float(fn(tree))
     if gap != 0.0:
         what = "global" if resumed else "initial"
         raise RuntimeError(f"replicas hold different {what} parameters (max difference {gap:g}); refusing to train.")
+
+
+def _replica_gap(tree):
+    """Inside ``shard_map``: the largest ``max - min`` over ``replica`` of any value of ``tree``, over every
+    device. Exact (a pmean of identical values rounds for most replica counts).
+
+    One ``pmax`` over ``replica`` per leaf, of ``[x, -x]`` (its max and minus its min at once), each fed
+    through an optimization barrier with the running gap so every collective follows the one before: no
+    two are independent, which XLA:CPU could run in different orders on different devices. The max over
+    ``data`` covers FSDP, where each data device compares its own shard."""
+    gap = jnp.zeros((), jnp.float32)
+    for x in jax.tree.leaves(tree):
+        x, gap = lax.optimization_barrier((x, gap))
+        extremes = lax.pmax(jnp.stack([x, -x]).astype(jnp.float32), "replica")
+        gap = jnp.maximum(gap, jnp.max(extremes[0] + extremes[1]))
+    return lax.pmax(gap, "data")

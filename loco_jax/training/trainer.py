@@ -196,17 +196,17 @@ class Trainer:
     def program(self, phase, state, batch):
         """The compiled step program of a DiLoCo phase (None for DP); compiled once, bytes recorded."""
         if phase not in self._programs:
-            def fn(p, s, x, y):
+            def train_step_program(p, s, x, y):
                 p, s, metrics = steps.train_step(self.tx, self.mcfg, p, s, x, y, phase=phase,
                                                  shard_dims=self.shard_dims, accum_steps=self.accum_steps,
                                                  exchanger=self.exchanger)
                 # copies of the skip counts beside the metrics: the state itself is donated to the next step
                 return p, s, dict(metrics, **self._counts(s))
             specs = self.specs
-            counts = ({"skipped": P("replica"), "dropped": P()} if self.cfg.diloco.enabled else {"skipped": P()})
+            counts = self._count_specs()
             f = jax.jit(
                 jax.shard_map(
-                    fn, mesh=self.mesh, in_specs=(specs.params, specs.opt_state, self.batch_spec, self.batch_spec),
+                    train_step_program, mesh=self.mesh, in_specs=(specs.params, specs.opt_state, self.batch_spec, self.batch_spec),
                     # metrics one per replica (averaged on the host at a sync step); the skip counts as stored
                     out_specs=(specs.params, specs.opt_state,
                                {"loss": P("replica"), "grad_rms": P("replica"), **counts}),
@@ -227,26 +227,54 @@ class Trainer:
             return None
         return gpu_compiler_options(self.cfg.mesh.fsdp, self.exchanger is not None)
 
-    def replica_mean(self, per_replica):
-        """The mean over replicas of a step's per-replica metric (shape ``(replicas,)``, split over
-        ``replica``), replicated on every device: a cross-replica reduction the loop runs at sync steps
-        only (every replica takes the same number of sequences, so this is the step's mean)."""
-        if "replica_mean" not in self._programs:
-            self._programs["replica_mean"] = jax.jit(jnp.mean, out_shardings=NamedSharding(self.mesh, P()))
-        return self._programs["replica_mean"](per_replica)
+    def read_steps(self, outs):
+        """The step programs' metrics ``outs`` (one dict per step, oldest first) on the host: one program,
+        one transfer, whatever their number.
+
+        Returns NumPy arrays with one row per step: ``loss`` and ``grad_rms``, the mean over replicas
+        (every replica takes the same number of sequences, so this is the step's mean); ``skipped``, every
+        replica's count (shape ``(steps, replicas)``); ``dropped`` (DiLoCo) as stored. Inside the program
+        each device stacks its replica's values and one ``all_gather`` over ``replica`` brings every
+        replica's to every device (so each process of a multi-process run reads them all); the mean is taken
+        after it, as ``jnp.mean`` over the replicas. One program with one collective, where a program per
+        value per step (3 x ``log_every`` of them in flight at once) deadlocks XLA:CPU's collectives.
+        """
+        counts = self._count_specs()
+        outs = [{k: o[k] for k in ("loss", "grad_rms", *counts)} for o in outs]
+        key = ("read", len(outs))  # one program per number of steps read (a run has one or a few)
+        if key not in self._programs:
+
+            def read_program(outs):
+                as_f32 = lambda n: jax.lax.bitcast_convert_type(n.reshape(()).astype(jnp.int32), jnp.float32)
+                mine = jnp.stack([jnp.stack([o["loss"].reshape(()).astype(jnp.float32),
+                                             o["grad_rms"].reshape(()).astype(jnp.float32), as_f32(o["skipped"])])
+                                  for o in outs])  # (steps, 3): this replica's values, skip counts bit-exact
+                every = jax.lax.all_gather(mine, "replica")  # (replicas, steps, 3)
+                got = {"loss": jnp.mean(every[..., 0], axis=0), "grad_rms": jnp.mean(every[..., 1], axis=0),
+                       "skipped": jax.lax.bitcast_convert_type(every[..., 2], jnp.int32).T}
+                if "dropped" in counts:
+                    got["dropped"] = jnp.stack([o["dropped"] for o in outs])
+                return got
+
+            metric_specs = {"loss": P("replica"), "grad_rms": P("replica"), **counts}
+            self._programs[key] = jax.jit(jax.shard_map(
+                read_program, mesh=self.mesh, in_specs=([metric_specs] * len(outs),), out_specs=P(), check_vma=False))
+        return jax.device_get(self._programs[key](outs))
 
     def replica_values(self, per_replica):
         """Every replica's value of a per-replica array (the skip counts), replicated on every device so
-        each process can read it: a cross-replica gather the loop runs at sync steps only."""
+        each process can read it: one program, at the start of a run (:meth:`skipped`)."""
         if "replica_values" not in self._programs:
             self._programs["replica_values"] = jax.jit(lambda x: x, out_shardings=NamedSharding(self.mesh, P()))
         return self._programs["replica_values"](per_replica)
 
     def eval_program(self):
         if "eval" not in self._programs:
-            fn = lambda p, x, y: steps.eval_step(self.mcfg, p, x, y, shard_dims=self.shard_dims)
+            def eval_program(p, x, y):
+                return steps.eval_step(self.mcfg, p, x, y, shard_dims=self.shard_dims)
+
             self._programs["eval"] = jax.jit(
-                jax.shard_map(fn, mesh=self.mesh, in_specs=(self.global_param_specs, self.batch_spec, self.batch_spec),
+                jax.shard_map(eval_program, mesh=self.mesh, in_specs=(self.global_param_specs, self.batch_spec, self.batch_spec),
                               out_specs=P())
             )
         return self._programs["eval"]
@@ -293,6 +321,11 @@ class Trainer:
         if self.cfg.diloco.enabled:
             return {"skipped": opt_state.skipped, "dropped": opt_state.dropped}
         return {"skipped": opt_state.skipped}
+
+    def _count_specs(self):
+        """How the step programs return the skip counts: per replica under DiLoCo, with ``dropped``
+        replicated; one replicated count for data parallel."""
+        return {"skipped": P("replica"), "dropped": P()} if self.cfg.diloco.enabled else {"skipped": P()}
 
     def skipped(self, state):
         """The skip counts so far, on the host: ``skipped`` one per replica (data parallel: one), and

@@ -612,3 +612,57 @@ def test_replica_groups_and_which_ops_cross_replicas(mesh):
     inside = [op for op in ops if not op.spans(4)]
     assert len(crossing) == 1 and crossing[0].group_size == 2
     assert len(inside) == 1 and inside[0].group_size == 4
+
+
+_ORDER_HLO = """HloModule order, replica_count=1, num_partitions=4
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element((s32[], f32[8]) %t), index=0
+  %v = f32[8]{0} get-tuple-element((s32[], f32[8]) %t), index=1
+  %r1 = f32[8]{0} all-reduce(f32[8]{0} %v), channel_id=5, replica_groups={{0,1,2,3}}, to_apply=%sum
+  %r2 = f32[8]{0} all-reduce(f32[8]{0} %v), channel_id=6, replica_groups={{0,1,2,3}}, to_apply=%sum
+  %s = f32[8]{0} add(f32[8]{0} %r1, f32[8]{0} %r2)
+  ROOT %out = (s32[], f32[8]) tuple(s32[] %i, f32[8]{0} %s)
+}
+
+%cond (t: (s32[], f32[8])) -> pred[] {
+  %t = (s32[], f32[8]) parameter(0)
+  ROOT %p = pred[] constant(false)
+}
+
+ENTRY %main (x: f32[8], y: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %y = f32[8]{0} parameter(1)
+  %ax = f32[8]{0} all-reduce(f32[8]{0} %x), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%sum
+  %ay = f32[8]{0} all-reduce(f32[8]{0} %y), channel_id=2, replica_groups={{0,1,2,3}}, to_apply=%sum, control-predecessors={%ax}
+  %z = f32[8]{0} add(f32[8]{0} %ax, f32[8]{0} %ay)
+  %az = f32[8]{0} all-gather(f32[8]{0} %z), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
+  %ay2 = f32[8]{0} all-reduce(f32[8]{0} %y), channel_id=4, replica_groups={{0,1,2,3}}, to_apply=%sum
+  %c = s32[] constant(0)
+  %t0 = (s32[], f32[8]) tuple(s32[] %c, f32[8]{0} %az)
+  %w = (s32[], f32[8]) while((s32[], f32[8]) %t0), condition=%cond, body=%body
+  %wv = f32[8]{0} get-tuple-element((s32[], f32[8]) %w), index=1
+  ROOT %r = f32[8]{0} add(f32[8]{0} %wv, f32[8]{0} %ay2)
+}
+"""
+
+
+def test_unordered_collectives_follow_operands_and_control_predecessors_into_loops():
+    """ax -> ay by a control predecessor, both -> az -> the loop by operands: ordered. ay2 depends on none
+    of them (and the loop not on it): unordered with each. Inside the loop body r1 and r2 both read v only."""
+    pairs = {(p.computation, frozenset((p.first, p.second))) for p in hlo.unordered_collectives(_ORDER_HLO)}
+    assert pairs == {("main", frozenset(("ay2", other))) for other in ("ax", "ay", "az", "w")} | {
+        ("body", frozenset(("r1", "r2")))}
+    ordered = _ORDER_HLO.replace("%ay2 = f32[8]{0} all-reduce(f32[8]{0} %y)", "%ay2 = f32[8]{0} all-reduce(f32[8]{0} %az)")
+    ordered = ordered.replace("channel_id=6, replica_groups={{0,1,2,3}}, to_apply=%sum",
+                              "channel_id=6, replica_groups={{0,1,2,3}}, to_apply=%sum, control-predecessors={%r1}")
+    ordered = ordered.replace("%w = (s32[], f32[8]) while((s32[], f32[8]) %t0)",
+                              "%w = (s32[], f32[8]) while((s32[], f32[8]) %t0), control-predecessors={%ay2}")
+    assert hlo.unordered_collectives(ordered) == []

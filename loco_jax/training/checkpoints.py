@@ -284,8 +284,7 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
             replica[key] = jax.make_array_from_callback(tiled.shape, fresh.sharding, lambda idx, t=tiled: t[idx])
     state = join_by_kind({"global": restored.get("global", {}), "replica": replica, "device": device}, like)
     if cfg.diloco.enabled:
-        tile = jax.jit(lambda g: jax.tree.map(lambda x: jnp.concatenate([x] * trainer.m), g),
-                       out_shardings=trainer.shardings(trainer.param_specs))
+        tile = jax.jit(trainer.tile, out_shardings=trainer.shardings(trainer.param_specs))
         state = TrainState(tile(diloco.global_params(state.opt_state)), state.opt_state)
     inner = "copied from replica 0" if cfg.elastic_inner_state == "copy" else "reset (moments zero, step counts kept)"
     log(f"elastic restart at step {step}: mesh (replica={m_old}, data={d_old}) -> (replica={trainer.m}, "

@@ -154,11 +154,16 @@ class Trainer:
     def shardings(self, specs):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
-    def _tile(self, params):
-        """One block of local parameters per replica, concatenated on dim 0 (DiLoCo); else as is."""
+    def tile(self, params):
+        """One block of local parameters per replica, stacked on dim 0 (DiLoCo); else as is.
+
+        A broadcast, then a reshape: compiled with the replica-split output sharding, each device keeps
+        its own block and nothing moves (a concatenate of M copies compiled to one all-to-all per leaf,
+        none of them ordered: XLA:CPU's collectives are safest with every pair ordered)."""
         if not self.cfg.diloco.enabled:
             return params
-        return jax.tree.map(lambda x: jnp.concatenate([x] * self.m), params)
+        return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (self.m,) + x.shape).reshape(
+            (self.m * x.shape[0],) + x.shape[1:]), params)
 
     def init_state(self):
         key = jax.random.PRNGKey(self.cfg.seed)
@@ -166,7 +171,7 @@ class Trainer:
         # One compiled init for every layout: FSDP creates its shards in place (no device ever holds the whole
         # model), and replicated state takes the same program, so both start from bit-identical parameters
         # (an eager init rounded differently from the compiled one in about a third of the values).
-        params = jax.jit(lambda k: self._tile(model_lib.init_params(self.mcfg, k)), out_shardings=shardings)(key)
+        params = jax.jit(lambda k: self.tile(model_lib.init_params(self.mcfg, k)), out_shardings=shardings)(key)
         return TrainState(params, self._init_opt_state(params))
 
     def _init_opt_state(self, params):

@@ -988,10 +988,12 @@ _CALLEE_KEYS = ("body", "condition", "branch_computations", "true_computation", 
 def unordered_collectives(compiled: Any) -> list[UnorderedCollectives]:
     """Every pair of collectives of ``compiled`` that may run in either order.
 
-    XLA:CPU's runtime runs a program's independent instructions in any order it likes, on each device
-    separately; two collectives that no data or control dependence orders can then start in different
-    orders on different devices, and each device waits at a rendezvous the others never reach. A program
-    is safe from that when every pair of its collective *sites* is ordered: in each computation reached
+    A runtime that schedules each device's copy of a program on its own may start two collectives that no
+    data or control dependence orders in different orders on different devices, and then each device
+    waits at a rendezvous the others never reach. (XLA:CPU's thunk runtime guards against it: every
+    collective thunk writes one shared communicator resource, so a program's collectives run in its thunk
+    sequence on every device.) A program needs no such guard when every pair of its collective *sites*
+    is ordered: in each computation reached
     from ENTRY, a site is a collective (or its async start), or a ``while``/``conditional``/``call``/
     ``async-start`` whose computations hold one (the pairs inside them are checked in turn). A pair is
     ordered when one site reaches the other through operands and ``control-predecessors``. Reduction

@@ -445,8 +445,9 @@ def _replica_gap(tree):
     device. Exact (a pmean of identical values rounds for most replica counts).
 
     One ``pmax`` over ``replica`` per leaf, of ``[x, -x]`` (its max and minus its min at once), each fed
-    through an optimization barrier with the running gap so every collective follows the one before: no
-    two are independent, which XLA:CPU could run in different orders on different devices. The max over
+    through an optimization barrier with the running gap so every collective follows the one before
+    (:func:`loco_jax.hlo.unordered_collectives` finds no pair: the old per-leaf ``pmax`` and ``pmin`` were
+    independent). The max over
     ``data`` covers FSDP, where each data device compares its own shard."""
     gap = jnp.zeros((), jnp.float32)
     for x in jax.tree.leaves(tree):

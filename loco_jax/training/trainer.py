@@ -159,7 +159,7 @@ class Trainer:
 
         A broadcast, then a reshape: compiled with the replica-split output sharding, each device keeps
         its own block and nothing moves (a concatenate of M copies compiled to one all-to-all per leaf,
-        none of them ordered: XLA:CPU's collectives are safest with every pair ordered)."""
+        no two of them ordered)."""
         if not self.cfg.diloco.enabled:
             return params
         return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (self.m,) + x.shape).reshape(

@@ -109,9 +109,9 @@ def test_every_auxiliary_program_of_a_two_replica_run_orders_its_collectives(tex
     assert not any(pairs for _, pairs in bad), [(name, pairs[:3]) for name, pairs in bad if pairs]
 
 
-def test_the_replica_check_refuses_with_collectives_in_order(text_file, tmp_path):
-    """The old check (a pmax and a pmin per leaf, all independent) had unordered pairs; the chained one has
-    none, and a test program with two independent all-reduces is caught by the same reader."""
+def test_the_replica_check_chains_its_collectives(text_file, tmp_path):
+    """The replica check's program (one pmax per leaf, each after the one before) has no unordered pair, and a
+    program with a pmax and a pmin that nothing orders (the old check's shape) has one, by the same reader."""
     t = Trainer(small_config(text_file), str(tmp_path), log=quiet)
     state = t.init_state()
     spec = t.param_specs
@@ -132,8 +132,9 @@ def test_log_every_100_completes_alone_beside_busy_cores_and_across_two_processe
     """The issue's case, small: a 2-replica Streaming DiLoCo run logging every 100 steps, (a) alone, then (b)
     again and (c) as two gloo processes (the README's multi-process launch), (b) and (c) at once beside a
     busy-loop process (with them, and the suite's other worker, both cores stay loaded). Each finishes with
-    its one row; (a) and (b) are identical, (c) matches them to the order of the cross-process sums. The old read (300 programs in flight at step 100)
-    aborted (a) in XLA's rendezvous: "Termination timeout ... Exiting to ensure a consistent program state"."""
+    its one row; (a) and (b) are identical, (c) matches them to the order of the cross-process sums. The old
+    read (300 programs in flight at step 100) aborted (a) in XLA's rendezvous: "Termination timeout ...
+    Exiting to ensure a consistent program state"."""
     # the shipped recipe's shape: fp32 data-parallel mean (loco.bits None), 3 fragments, overlap 1
     cfg = small_config(text_file, steps=100, log_every=100, eval_every=100, checkpoint_every=100,
                        **{"loco.bits": "None"})

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from loco_jax import collectives as coll
 from loco_jax import loco, specs
 
 
@@ -234,6 +235,7 @@ class _BackwardWalk(NamedTuple):
             ct, pending, bufs = carry
             bufs = self.exchange(i + 1, pending, bufs)
             pending, ct = self.backward(i, ct)
+            pending = coll.after(pending, _index(bufs[0], i + 1))  # XLA:CPU: the next exchange follows this one
             return (ct, pending, bufs), None
 
         (ct, pending, bufs), _ = lax.scan(body, (ct, pending, bufs), _layers_below_top(depth))
@@ -252,11 +254,13 @@ class _BackwardWalk(NamedTuple):
             ct, payload, bufs, full = carry
             full_next = self.prepare(_index(self.params, jnp.maximum(i - 1, 0))) if self.remat else None
             if full_next is not None:  # XLA:CPU runs independent collectives in no fixed order: gather first
-                payload = loco._after([payload], jax.tree.leaves(full_next))[0]
+                payload = coll.after(payload, full_next)
             received = self.ex.exchange(payload)
             grads, ct = self.backward(i, ct, full)
             received, grads = lax.optimization_barrier((received, grads))
             bufs = self.receive(i + 1, received, layout, bufs)
+            # XLA:CPU: the next exchange follows this one's result (the barrier does not order them there)
+            grads = coll.after(grads, _index(bufs[0], i + 1))
             payload, _, bufs = self.send(i, grads, bufs)
             return (ct, payload, bufs, full_next), None
 

@@ -48,7 +48,7 @@ import numpy as np
 from jax import lax
 
 from loco_jax import quant
-from loco_jax.specs import require_axis
+from loco_jax.specs import require_axis, varying_axes
 
 Mode = Literal["two_stage", "all_gather"]
 MODES = get_args(Mode)
@@ -82,6 +82,43 @@ class Bucket(NamedTuple):
     treedef: Any
     scatter: bool
     dims: tuple = ()  # scatter=True: the dimension each leaf is sharded on
+
+
+def after(tree, previous):
+    """``tree``, made to depend on every leaf of ``previous`` when compiled for CPU (a real data dependence).
+
+    XLA:CPU may run two collectives of one program that nothing orders in different orders on different
+    devices, and ``lax.optimization_barrier`` does not order them (XLA expands the barrier away before it
+    schedules). So on CPU one element of each leaf of ``previous`` is taken as float32, times zero, converted
+    to int32, and ``tree``'s first leaf becomes ``where(sum_i int32(float32(p_i[0]) * 0) == 0, x, 0)``. XLA
+    converts NaN and Inf to integers saturating, NaN to 0, so the sum is exactly 0 for any ``previous``,
+    finite or not, and the select returns ``x`` to the bit (arithmetic would not: XLA:CPU flushes subnormals,
+    and ``-0.0 + 0`` is ``+0.0``). The simplifier cannot remove a float product with zero (``0 * NaN`` is
+    NaN), while it does remove an integer one, hence the float. Compiled for another platform ``tree`` is
+    returned as it is (``lax.platform_dependent``): there independent collectives are what lets
+    communication overlap compute, and a GPU program issues its collectives in its one schedule's order.
+
+    Under ``check_vma`` a leaf of ``previous`` typed varying over an axis that ``tree``'s first leaf is
+    invariant over cannot order it (the sum would change that leaf's type) and is left out; the project's
+    tests read every step program's compiled HLO for collectives left unordered
+    (:func:`loco_jax.hlo.unordered_collectives`).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    # under check_vma a value varying over an axis that the first leaf is invariant over would change its
+    # type: such leaves of ``previous`` cannot order it, and are left out
+    axes = varying_axes(leaves[0])
+    prev = [p for p in jax.tree.leaves(previous) if varying_axes(p) <= axes]
+    if not prev:
+        return tree
+
+    def chained(first, *prev):
+        zero = sum((p.reshape(-1)[0].astype(jnp.float32) * 0).astype(jnp.int32) for p in prev)
+        return jnp.where(zero == 0, first, jnp.zeros_like(first))
+
+    first = lax.platform_dependent(leaves[0], *prev, cpu=chained, default=lambda first, *_: first)
+    return jax.tree.unflatten(treedef, [first] + leaves[1:])
 
 
 def _round_up(n, multiple):

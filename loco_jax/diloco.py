@@ -589,20 +589,19 @@ class OuterLoop(NamedTuple):
         inflight, error, error_scale = state.inflight, list(state.error), list(state.error_scale)
         dropped = state.dropped
 
-        mean_now = codes_now = restart = None
+        mean_now = codes_now = restart = unsent = None
         if ph.send is not None:
             p = ph.send
             k = self.ex.slice_len(sizes[p], d, m)
             snapshot = local if self.overlap == 0 else params  # params of step t+1 are theta(t)
             snapshot_p = plan.extract(snapshot, p)
-            delta = plan.extract(global_params, p) - snapshot_p
+            # XLA:CPU: the exchange follows the inner step's collectives (on GPUs it overlaps them)
+            delta = coll.after(plan.extract(global_params, p) - snapshot_p, local)
             stored_error = (error[p], error_scale[p]) if error else (None, None)
             mean_slice, stored, codes = self.ex.mean(self.ex.my_slice(delta, k, d), p, *stored_error,
                                                      never=state.step < 0)
-            if self.ex.keep_unsent:  # overlap <= 1: this program applies it too (diloco's check)
-                held = quant.load(*stored, self.ex.error_bits, block_size=self.ex.cfg.block_size)[0]
-                held = self.ex.gather_slices(self.ex.error_beta * held, sizes[p], d)
-                restart = plan.extract(local, p) - snapshot_p - held
+            if self.ex.keep_unsent and ph.apply == p:  # overlap <= 1: this program applies it (diloco's check)
+                unsent = (stored, snapshot_p)
             # the same on every replica: they all decoded the same payloads
             sent_ok = replica_finite(mean_slice, self.ex.axis_name)
             dropped = dropped + (~sent_ok).astype(jnp.int32)
@@ -616,15 +615,22 @@ class OuterLoop(NamedTuple):
         if ph.apply is not None:
             p = ph.apply
             k = self.ex.slice_len(sizes[p], d, m)
-            mean_slice = mean_now if mean_now is not None else inflight[:k]
-            # inside the replica, every device needs the whole fragment: move the exchanged codes where they
-            # are fewer bytes than the fp32 slice (held across steps, tau >= 2, the slot keeps fp32)
-            if d > 1 and codes_now is not None and codes_now[0].size < GATHER_CODES_BELOW * k:
-                mean_delta = self.ex.gather_codes(codes_now, p, sizes[p], d)
-            else:
-                mean_delta = self.ex.gather_slices(mean_slice, sizes[p], d)
+            mean_slice = mean_now if mean_now is not None else coll.after(inflight[:k], (local, dropped))
             # a dropped round (now, or at its send step): the fragment keeps its values
             delivered = replica_finite(mean_slice, self.ex.axis_name)
+            # inside the replica, every device needs the whole fragment: move the exchanged codes where they
+            # are fewer bytes than the fp32 slice (held across steps, tau >= 2, the slot keeps fp32). XLA:CPU:
+            # that gather follows the check across replicas.
+            if d > 1 and codes_now is not None and codes_now[0].size < GATHER_CODES_BELOW * k:
+                gathered, finish = codes_now
+                mean_delta = self.ex.gather_codes((coll.after(gathered, delivered), finish), p, sizes[p], d)
+            else:
+                mean_delta = self.ex.gather_slices(coll.after(mean_slice, delivered), sizes[p], d)
+            if unsent is not None:  # the replica's own unsent progress (keep_unsent); XLA:CPU: gathered after the mean
+                (held, held_scale), snapshot_p = unsent
+                held = quant.load(held, held_scale, self.ex.error_bits, block_size=self.ex.cfg.block_size)[0]
+                held = self.ex.gather_slices(coll.after(self.ex.error_beta * held, mean_delta), sizes[p], d)
+                restart = plan.extract(local, p) - snapshot_p - held
             global_params, local, outer_states[p] = merge(plan, p, mean_delta, global_params, local, self.outer,
                                                           outer_states[p], self.alpha, delivered, restart)
 

@@ -108,7 +108,9 @@ def gather(shards, dims, axis_name: str = "data", *, dtype=None):
     leaf on its shard dimension, after casting to ``dtype`` (the compute dtype: half the bytes in bf16,
     sent as ``uint16`` bit patterns so that no backend widens them).
 
-    The result is typed invariant over ``axis_name`` (identical on every device of it).
+    The result is typed invariant over ``axis_name`` (identical on every device of it). Compiled for CPU,
+    each leaf's gather waits for the one before (:func:`loco_jax.collectives.after`): XLA:CPU may run
+    independent collectives in different orders on different devices.
     """
     def one(x, dim):
         x = x if dtype is None else x.astype(dtype)
@@ -118,7 +120,11 @@ def gather(shards, dims, axis_name: str = "data", *, dtype=None):
             return lax.bitcast_convert_type(bits, x.dtype)
         return lax.all_gather(x, axis_name, axis=dim, tiled=True, to="invarying")
 
-    return jax.tree.map(one, shards, dims)
+    leaves, treedef = jax.tree.flatten(shards)
+    full = []
+    for x, dim in zip(leaves, treedef.flatten_up_to(dims)):
+        full.append(one(coll.after(x, full[-1:]), dim))
+    return jax.tree.unflatten(treedef, full)
 
 
 def global_norm(tree, axis_name: str = "data"):

@@ -990,11 +990,10 @@ def unordered_collectives(compiled: Any) -> list[UnorderedCollectives]:
 
     A runtime that schedules each device's copy of a program on its own may start two collectives that no
     data or control dependence orders in different orders on different devices, and then each device
-    waits at a rendezvous the others never reach. (XLA:CPU's thunk runtime guards against it: every
-    collective thunk writes one shared communicator resource, so a program's collectives run in its thunk
-    sequence on every device.) A program needs no such guard when every pair of its collective *sites*
-    is ordered: in each computation reached
-    from ENTRY, a site is a collective (or its async start), or a ``while``/``conditional``/``call``/
+    waits at a rendezvous the others never reach. A program needs no runtime guard against it when every
+    pair of its collective *sites* is ordered (the trainer's programs compiled for CPU are:
+    :func:`loco_jax.collectives.after` supplies the order there). In each computation reached from ENTRY,
+    a site is a collective (or its async start), or a ``while``/``conditional``/``call``/
     ``async-start`` whose computations hold one (the pairs inside them are checked in turn). A pair is
     ordered when one site reaches the other through operands and ``control-predecessors``. Reduction
     computations (``to_apply`` of a reduce) and fusions hold no collectives and are not walked.

@@ -240,26 +240,6 @@ def reduce_leaf(fn, leaf):
     return fn(leaf)
 
 
-def _after(leaves, previous):
-    """``leaves``, made to depend on the values of ``previous`` when compiled for CPU (a real data dependency).
-
-    ``lax.optimization_barrier`` does not order work on XLA:CPU (the barrier is expanded away before
-    scheduling), so the buckets' fp32 working copies all came to exist at once. There one element of
-    ``previous`` times zero is added to the first leaf: the same values whenever ``previous`` is finite,
-    and a non-finite ``previous`` makes the step non-finite (skipped) anyway. Compiled for another
-    platform the leaves are returned as they are: the chain made every bucket's exchange wait for the
-    previous bucket's decode, so on GPU communication and quantization alternated (synchronous
-    collectives), and GPU buffer assignment does not need the order (``lax.platform_dependent``).
-    """
-    last = jax.tree.leaves(previous)[-1]
-
-    def chained(first, last):
-        return first + (last.reshape(-1)[0] * 0).astype(first.dtype)
-
-    first = lax.platform_dependent(leaves[0], last, cpu=chained, default=lambda first, last: first)
-    return [first] + list(leaves[1:])
-
-
 def _all_finite(tree):
     leaves = jax.tree.leaves(tree)
     flag = jnp.array(True)
@@ -756,7 +736,7 @@ class BucketStep(NamedTuple):
             if self.bucket_size is not None and previous is not None:
                 # one bucket at a time: its inputs are taken only once the previous bucket's result exists,
                 # so the fp32 working copies (conversions, transposes, rotations) of two buckets never coexist
-                group = _after(group, previous)
+                group = coll.after(group, previous)
             outs, slot = self.bucket(b, group, [dims[i] for i, _, _ in members] if self.scatter else None,
                                 self.slot_of(state, b), inputs, axes)
             for (i, _, _), out in zip(members, outs):

@@ -188,3 +188,47 @@ def test_a_pytree_goes_through_one_bucket_or_a_few_bounded_ones(mesh, grads):
     for k in tree:
         exact = tree[k].reshape(2, 4, -1).sum(1)
         assert rel_err(np.asarray(a[k])[::4], exact) < 0.02 and rel_err(np.asarray(b[k])[::4], exact) < 0.02
+
+
+def _reduce_then_gather(mesh, ordered):
+    """A psum and an all_gather of independent inputs; ``ordered``: the gather's input made to follow the
+    psum's result with :func:`collectives.after`."""
+    def f(a, b):
+        total = lax.psum(a, "data")
+        if ordered:
+            b = collectives.after(b, total)
+        return total, lax.all_gather(b, "data", tiled=True, to="invarying")
+
+    spec = jax.sharding.NamedSharding(mesh, P("data"))
+    args = (jax.ShapeDtypeStruct((8,), jnp.float32, sharding=spec), jax.ShapeDtypeStruct((8,), jnp.uint8, sharding=spec))
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P(), P()))).trace(*args)
+
+
+def test_after_orders_two_collectives_on_cpu_and_leaves_other_platforms_alone(mesh):
+    """Compiled for CPU, the reader finds the two collectives unordered, and ordered once ``after`` ties them;
+    lowered for CUDA the tie is not there (no product with zero: the collectives stay free to overlap)."""
+    assert len(hlo.unordered_collectives(_reduce_then_gather(mesh, False).lower().compile())) == 1
+    assert hlo.unordered_collectives(_reduce_then_gather(mesh, True).lower().compile()) == []
+    cpu = _reduce_then_gather(mesh, True).lower(lowering_platforms=("cpu",)).as_text(debug_info=False)
+    cuda = _reduce_then_gather(mesh, True).lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
+    assert "stablehlo.multiply" in cpu and "stablehlo.multiply" not in cuda
+
+
+def test_after_changes_no_bit_whatever_previous_holds():
+    """Every dtype the project ties (float32, bfloat16, int32, uint8, bool), ``-0.0`` and NaN included, comes
+    back bit for bit, after a ``previous`` of NaN, +-Inf, the largest float32, a bool and an int."""
+    previous = (jnp.array([np.nan, 1.0], jnp.float32), jnp.array([np.inf]), jnp.array([-np.inf]),
+                jnp.array([np.finfo(np.float32).max]), jnp.array([True]), jnp.array([2**31 - 1], jnp.int32))
+    trees = [
+        [jnp.array([-0.0, 0.0, np.nan, -np.inf, 1.5e-45, 3.0], jnp.float32), jnp.ones(2)],
+        [jnp.array([-0.0, 1.0, np.nan], jnp.bfloat16)],
+        [jnp.array([-(2**31), 0, 2**31 - 1], jnp.int32)],
+        [jnp.array([0, 7, 255], jnp.uint8)],
+        [jnp.array([True, False])],
+    ]
+    for tree in trees:
+        for prev in [previous, previous[:1], previous[4:]]:
+            out = jax.jit(collectives.after)(tree, prev)
+            for x, y in zip(tree, out):
+                assert x.dtype == y.dtype
+                assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), (x, y, prev)

@@ -307,8 +307,11 @@ def test_global_params_start_as_the_replica_mean(mesh):
     chex.assert_trees_all_close(jax.tree.map(np.asarray, state.global_params), jax.tree.map(lambda x: 2 * x, make_params()), rtol=1e-6)
 
 
-def _tainted_collectives(jaxpr, tainted_invars, axis):
-    """Collectives over ``axis`` in ``jaxpr`` and whether an operand depends on ``tainted_invars``."""
+def _tainted_collectives(jaxpr, tainted_invars, axis, platform, tainted_out=None):
+    """Collectives over ``axis`` in ``jaxpr`` and whether an operand depends on ``tainted_invars``, as the
+    program compiled for ``platform`` runs it: of a ``lax.platform_dependent`` branch (a ``cond`` with
+    ``branches_platforms``) only ``platform``'s is followed, output by output. ``tainted_out``: a list that
+    receives, per outvar of ``jaxpr``, whether it depends on them."""
     tainted = set(tainted_invars)
     found = []
     for eqn in jaxpr.eqns:
@@ -317,16 +320,30 @@ def _tainted_collectives(jaxpr, tainted_invars, axis):
         names = names if isinstance(names, tuple) else (names,)
         if axis in names:
             found.append((eqn.primitive.name, dirty))
+        if eqn.primitive.name == "cond" and eqn.params.get("branches_platforms"):
+            chosen = [i for i, ps in enumerate(eqn.params["branches_platforms"]) if ps is None or platform in ps][0]
+            branch = eqn.params["branches"][chosen].jaxpr
+            inner = [v for v, outer in zip(branch.invars, eqn.invars[1:])
+                     if not isinstance(outer, jex_core.Literal) and outer in tainted]
+            outs = []
+            found.extend(_tainted_collectives(branch, inner, axis, platform, outs))
+            tainted.update(v for v, t in zip(eqn.outvars, outs) if t)
+            continue
         for sub in jex_core.jaxprs_in_params(eqn.params):
             inner = [v for v, outer in zip(sub.invars, eqn.invars) if not isinstance(outer, jex_core.Literal) and outer in tainted]
-            found.extend(_tainted_collectives(sub, inner, axis))
+            found.extend(_tainted_collectives(sub, inner, axis, platform))
         if dirty:
             tainted.update(eqn.outvars)
+    if tainted_out is not None:
+        tainted_out.extend(not isinstance(v, jex_core.Literal) and v in tainted for v in jaxpr.outvars)
     return found
 
 
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_outer_exchange_has_no_data_path_from_the_steps_gradients(mesh, overlap):
+    """Compiled for GPUs, an exchange with overlap does not wait for this step's gradients (it can run under
+    the step's compute); compiled for CPU it does, through ``collectives.after``'s tie, which orders the
+    program's collectives there."""
     tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=overlap, bits=4)
     run = Run(mesh, tx)
     ph = tx.phase(6 + overlap)  # fragment 0 is due after step 6
@@ -341,14 +358,17 @@ def test_outer_exchange_has_no_data_path_from_the_steps_gradients(mesh, overlap)
     grads = set(closed.jaxpr.invars[:n_grads])
     grad_invars = [inner for inner, outer in zip(inner_jaxpr.invars, body.invars) if outer in grads]
     assert len(grad_invars) == n_grads
-    found = _tainted_collectives(inner_jaxpr, grad_invars, "replica")
-    # the finite flag (a scalar pmin) legitimately looks at the gradients; the exchange must not
-    exchange = [dirty for name, dirty in found if name.startswith(("all_gather", "all_to_all", "psum"))]
-    assert exchange, found
+    exchange = {}
+    for platform in ("cuda", "cpu"):
+        found = _tainted_collectives(inner_jaxpr, grad_invars, "replica", platform)
+        # the finite flag (a scalar pmin) legitimately looks at the gradients; the exchange must not
+        exchange[platform] = [dirty for name, dirty in found if name.startswith(("all_gather", "all_to_all", "psum"))]
+        assert exchange[platform], found
     if overlap >= 1:
-        assert not any(exchange), "with overlap the outer exchange must not depend on this step's gradients"
+        assert not any(exchange["cuda"]), "with overlap the outer exchange must not depend on this step's gradients"
     else:
-        assert all(exchange), "without overlap the exchange follows the step (the check can tell)"
+        assert all(exchange["cuda"]), "without overlap the exchange follows the step (the check can tell)"
+    assert all(exchange["cpu"]), "on CPU the exchange follows the step's collectives"
 
 
 def test_quantized_exchange_sends_uint8_slices_over_replica(mesh):

@@ -81,12 +81,12 @@ def test_the_read_is_exact_against_the_replicas_values(text_file, tmp_path):
     assert rows["dropped"].tolist() == list(range(5))
 
 
-def test_every_auxiliary_program_of_a_two_replica_run_orders_its_collectives(text_file, tmp_path, monkeypatch):
-    """Every program a 2-replica Streaming DiLoCo run compiles (the replica check, the reads, eval, the
-    LoCo error diagnostic, the samples; fresh and resumed) has no two collectives that no data or control
-    dependence orders, read from its compiled HLO. The step programs are listed apart: their exchange is
-    independent of the step's compute by design (it overlaps it on GPUs); XLA:CPU's runtime runs the
-    collectives of one program in its thunk sequence (docs/results.md, "A sync step on CPU")."""
+def test_every_program_of_a_two_replica_run_orders_its_collectives(text_file, tmp_path, monkeypatch):
+    """Every program a 2-replica Streaming DiLoCo run compiles (the step programs of every phase, the
+    replica check, the reads, eval, the LoCo error diagnostic, the samples; fresh and resumed) has no two
+    collectives that no data or control dependence orders, read from its compiled HLO. The step programs'
+    exchange is independent of the step's compute on GPUs (it overlaps it); on CPU ``collectives.after``
+    ties it after the inner step's collectives (before it: 9 unordered pairs per exchange phase)."""
     compiled = []
     compile_ = pxla.MeshComputation.compile
 
@@ -102,11 +102,37 @@ def test_every_auxiliary_program_of_a_two_replica_run_orders_its_collectives(tex
     train_and_evaluate(cfg, workdir, log=quiet, stop_after=6)
     train_and_evaluate(cfg, workdir, log=quiet)  # resumed: the check of the global parameters
     names = [name for name, _ in compiled]
-    aux = [(name, text) for name, text in compiled if name != "train_step_program"]
     assert {"train_step_program", "_replica_gap", "read_program", "eval_program"} <= set(names), names
-    assert any(hlo.collective_bytes(text).ops for _, text in aux)
-    bad = [(name, [str(p) for p in hlo.unordered_collectives(text)]) for name, text in aux]
+    assert names.count("train_step_program") >= 4, names  # three exchange phases and the quiet one
+    assert all(hlo.collective_bytes(text).ops for name, text in compiled if name == "train_step_program")
+    bad = [(name, [str(p) for p in hlo.unordered_collectives(text)]) for name, text in compiled]
     assert not any(pairs for _, pairs in bad), [(name, pairs[:3]) for name, pairs in bad if pairs]
+
+
+@pytest.mark.parametrize("sets", [
+    # the in-backward exchange (its pipelined loop and its drain), FSDP's gathers per leaf and per layer, the
+    # sparse exchange with its unsent part gathered for the restart
+    {"loco.in_backward": True, "model.scan_layers": True, "model.num_layers": 3, "mesh.fsdp": True,
+     "diloco.density": 0.05, "diloco.alpha": 0.0, "diloco.bits": 2, "diloco.keep_unsent": True},
+    # LoCo in buckets, one after another; the two-stage outer exchange held across steps (send and apply apart)
+    {"mesh.fsdp": True, "model.scan_layers": True, "diloco.mode": "two_stage", "loco.bucket_size": 2000,
+     "diloco.overlap": 2, "diloco.num_fragments": 1},
+], ids=["in_backward_fsdp_sparse", "buckets_two_stage_held"])
+def test_the_step_programs_of_other_layouts_order_their_collectives(text_file, tmp_path, sets):
+    """The step programs of layouts the run above does not use have no unordered pair of collectives either:
+    one exchange phase of each kind (a send and an apply, or each apart), compiled for CPU."""
+    t = Trainer(small_config(text_file, **sets), str(tmp_path), log=quiet)
+    state, batch = t.init_state(), t.abstract_batch()
+    kinds = {}
+    for step in range(1, t.cfg.diloco.sync_every + 2):
+        phase = t.phase(step)
+        kinds.setdefault((phase.send is None, phase.apply is None), phase)
+    kinds.pop((True, True))  # the quiet step has no exchange
+    assert kinds, kinds
+    for phase in kinds.values():
+        compiled = t.program(phase, state, batch)
+        assert len(hlo.collective_bytes(compiled).ops) > 20
+        assert hlo.unordered_collectives(compiled) == [], (phase, [str(p) for p in hlo.unordered_collectives(compiled)][:3])
 
 
 def test_the_replica_check_chains_its_collectives(text_file, tmp_path):

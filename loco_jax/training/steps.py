@@ -23,6 +23,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import backward, diloco, fragments, fsdp, loco, specs
+from loco_jax import collectives as coll
 from loco_jax.training import config as config_lib
 from loco_jax.training import model as model_lib
 
@@ -235,7 +236,8 @@ def local_grad_fn(mcfg, params, shard_dims=None):
         return lambda x, y: jax.value_and_grad(loss)(varying, x, y)
     rest = {k: v for k, v in params.items() if k != "layers"}
     rest_full = _varying(fsdp.gather(rest, {k: shard_dims[k] for k in rest}, "data", dtype=mcfg.cdtype), axes)
-    stack = lax.stop_gradient(params["layers"])
+    # XLA:CPU: the stack's gathers (in the scan) follow the rest's
+    stack = coll.after(lax.stop_gradient(params["layers"]), rest_full)
     n = lax.axis_size("data")
     # typed like the stack itself (DiLoCo: varying over replica too), else the transpose would psum the
     # layers' gradient over the axes the zeros are invariant over
@@ -374,7 +376,7 @@ def _exchange_after_backward(ex, bk: _Buckets, local, acc, accum_steps, loco_sta
     axes_of = loco._device_axes(local[0], ex.axis_name) if local else ()
     for b, idx in enumerate(bk.members_of):
         grads = backward._accumulate(local[b], None if acc is None else [acc[i] for i in idx], accum_steps)
-        grads = loco._after(grads, previous)  # XLA:CPU: one exchange at a time, after the stack's
+        grads = coll.after(grads, previous)  # XLA:CPU: one exchange at a time, after the stack's
         outs, slot = ex.bucket(b, grads, bk.dims_of[b], ex.slot_of(loco_state, b), step, axes_of)
         means.update(zip(idx, outs))
         slots.append(slot)
@@ -408,7 +410,10 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
 
     # the groups outside the stack take their whole local gradient from the backward pass (prepared: their
     # full parameters as the model uses them); the stack's error buffers travel as cotangents
-    prepared = [bk.gathered([bk.leaves[i] for i in idx], bk.dims_of[b]) for b, idx in enumerate(bk.members_of)]
+    prepared = []
+    for b, idx in enumerate(bk.members_of):  # XLA:CPU: each group's gathers (FSDP) after the one before
+        prepared.append(bk.gathered(coll.after([bk.leaves[i] for i in idx], prepared[-1:]), bk.dims_of[b]))
+    stack_params = coll.after(params["layers"], prepared)  # and the stack's (in its loops) after them all
     base = len(bk.flat)  # the stack's first bucket number
     stack_view = backward.as_cotangent(ex.slot_of(loco_state, base))
     stack_sq = specs.to_varying(jnp.zeros((bk.stack[1],), jnp.float32), specs.manual_axes())
@@ -431,7 +436,7 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
         return model_lib.loss_fn(mcfg, used, inputs, targets, stack_fn=stack_fn)
 
     value, (stack_means, local, stack_view, stack_sq) = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(
-        params["layers"], prepared, stack_view, stack_sq)
+        stack_params, prepared, stack_view, stack_sq)
     if loss_sum is not None:
         value = (loss_sum + value) / accum_steps
     mean_leaves = [None] * len(bk.leaves)
@@ -469,7 +474,9 @@ def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shar
         n = float(sum(x.size for x in jax.tree.leaves(params))) * parts
     params = optax.apply_updates(params, updates)
     grad_rms = jnp.sqrt(grad_sq / n)  # this device's local gradient
-    return params, opt_state, replica_metrics({"loss": loss, "grad_rms": grad_rms})
+    # XLA:CPU: the metrics' reduction follows every collective of the step (all feed params or opt_state)
+    metrics = coll.after({"loss": loss, "grad_rms": grad_rms}, (params, opt_state))
+    return params, opt_state, replica_metrics(metrics)
 
 
 def replica_metrics(values: dict) -> dict:
@@ -477,7 +484,10 @@ def replica_metrics(values: dict) -> dict:
     ``P("replica")``): a step reduces its metrics inside the replica only, so a quiet step of Streaming
     DiLoCo sends nothing across replicas; the host averages the replicas' values when it reads them."""
     axes = specs.manual_axes()
-    return {name: lax.pmean(specs.to_varying(v, axes), _data_axes())[None] for name, v in values.items()}
+    names = sorted(values)
+    # one reduction of the stacked values: XLA:CPU orders it as one collective
+    stacked = lax.pmean(specs.to_varying(jnp.stack([values[n] for n in names]), axes), _data_axes())
+    return {name: stacked[i][None] for i, name in enumerate(names)}
 
 
 def eval_step(mcfg, params, inputs, targets, *, shard_dims=None):

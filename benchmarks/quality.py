@@ -150,7 +150,8 @@ _UNKEYED = {"sample_tokens": _ANY, "data.sp_model": None, "data.require_path": N
             # the sparse exchange and the inner optimizer's choice (issue 30), off / AdamW before
             "diloco.density": None, "diloco.chunk": 4096, "diloco.error_decay": None, "optim.name": "adamw",
             "optim.muon_beta": 0.95,
-            "diloco.keep_unsent": False}  # each replica restarting from the global parameters, as before
+            "diloco.keep_unsent": False,  # each replica restarting from the global parameters, as before
+            "diloco.average_over": "replicas"}  # a sparse mean over the M replicas, as before (issue 41)
 
 
 def cell_dir(name, overrides=None) -> str:

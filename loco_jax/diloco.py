@@ -238,6 +238,7 @@ class Exchange(NamedTuple):
     error_bits: int | None  # the quantizer's block size is cfg's
     sparse: sparse_lib.SparseConfig | None = None  # a top-k-per-chunk exchange (sparse_mean) instead of dense
     keep_unsent: bool = False  # the accumulator rides in the local parameters (sparse_mean, diloco(keep_unsent))
+    average_over: str = "replicas"  # a sparse mean's divisor: "replicas" (M) or "senders" (sparse_mean)
 
     def data_size(self) -> int:
         """``D``: the devices of ``data_axis`` bound in this ``shard_map`` (1 when none)."""
@@ -318,7 +319,13 @@ class Exchange(NamedTuple):
         """The sparse exchange of this device's slice (docs/algorithms.md, "6. DiLoCo and Streaming DiLoCo",
         the sparse exchange)::
 
-            a = beta e + Delta,   s = C(a),   e = a - s,   mean = (1/M) sum_m s^m
+            a = beta e + Delta,   s = C(a),   e = a - s,   mean = (1/M) sum_m s^m               ("replicas")
+                                                             mean_i = sum_m s^m_i / max(1, n_i)   ("senders")
+
+        where ``n_i`` counts the replicas whose payload holds entry ``i`` (read from the decoded positions).
+        Over replicas, an entry one replica sent moves the mean by ``s/M``; over senders, by ``s``: the mean of
+        those who sent it (SparseLoCo's reference code, ``scatter_reduce(reduce="mean")``). The two agree
+        wherever every replica sends the same positions.
 
         (with ``keep_unsent``, ``a = Delta``: the replica restarted from ``theta~ - beta e``, so its outer
         gradient already holds the decayed accumulator)
@@ -340,6 +347,9 @@ class Exchange(NamedTuple):
         gathered = coll.on_own_stream(lambda: lax.all_gather(payload, self.axis_name, axis=0, to="invarying"))
 
         def finish(g):  # (M, chunks, bytes) -> the mean of the M decoded slices
+            if self.average_over == "senders":
+                values, held = self.sparse.decode(g, held=True)
+                return values.sum(axis=0) / jnp.maximum(held.sum(axis=0), 1.0)
             return self.sparse.decode(g).sum(axis=0) / m
 
         new = quant.store((acc - loco_lib._rounded(sent, never))[None], self.error_bits,
@@ -402,6 +412,9 @@ def relayout_inflight(inflight, sizes, fragment, old_mesh, new_mesh, slice_len):
 # The values' format of a sparse exchange per bit width when ``format`` is None: the top-k entries of a chunk
 # all lie far from zero, so a format with a zero level wastes one (docs/results.md, "Sparse outer gradients").
 SPARSE_FORMATS = {1: "int", 2: "uniform", 4: "int", 8: "int"}
+
+
+AVERAGE_OVER = ("replicas", "senders")  # diloco(average_over=): a sparse mean's divisor
 
 
 def sparseloco_rule(lr: float = 1.0, beta: float = 0.95) -> dict:
@@ -684,6 +697,7 @@ def diloco(
     index_bits: int | None = None,
     error_decay: float | None = None,
     keep_unsent: bool = False,
+    average_over: str = "replicas",
 ) -> DiLoCo:
     """(Streaming) DiLoCo around ``inner``; see the module docstring for the maths.
 
@@ -731,7 +745,19 @@ def diloco(
         (which then holds ``beta e``). Needs ``alpha=0`` (alpha would count
         the local progress twice) and ``overlap <= 1`` (the restart is made
         in the program that exchanges).
+      average_over: a sparse exchange's mean, ``"replicas"`` (each entry's
+        sum over the M replicas / M; the default: the sparse mean is then
+        the dense one's, with unsent entries as zeros) or ``"senders"``
+        (each entry's sum / the number of replicas that sent it, as
+        SparseLoCo's reference code aggregates; an entry one replica sent
+        moves the mean by its whole value).
     """
+    if average_over not in AVERAGE_OVER:
+        raise ValueError(f"average_over={average_over!r} must be one of {AVERAGE_OVER}: the sparse mean's divisor "
+                         f"(M replicas, or the replicas that sent each entry).")
+    if average_over != "replicas" and density is None:
+        raise ValueError(f"average_over={average_over!r} divides each entry by the replicas that sent it; a dense "
+                         f"exchange sends every entry from every replica: set density, or average_over='replicas'.")
     sparse_cfg, format, compensate, rotate, error_decay, error_bits = _resolve_exchange(
         bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk, index_bits)
     _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, error_beta, error_bits, block_size,
@@ -744,7 +770,8 @@ def diloco(
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     ex = Exchange(axis_name, data_axis, bits, coll.QuantConfig(bits or 8, block_size, format, rotate, seed), mode,
-                  compensate, error_beta if sparse_cfg is None else error_decay, error_bits, sparse_cfg, keep_unsent)
+                  compensate, error_beta if sparse_cfg is None else error_decay, error_bits, sparse_cfg, keep_unsent,
+                  average_over)
     schedule = dict(sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
 
     @functools.lru_cache(maxsize=8)

@@ -96,16 +96,23 @@ class SparseConfig(NamedTuple):
         decoded = quant.dequantize(codes, scales, self.bits, format=self.format)
         return payload, self._scatter(positions, decoded).reshape(-1)
 
-    def decode(self, payload):
-        """The dense fp32 values ``(..., N C)`` of payloads ``(..., N, bytes)``."""
+    def decode(self, payload, *, held=False):
+        """The dense fp32 values ``(..., N C)`` of payloads ``(..., N, bytes)``; ``held``: also the dense
+        fp32 indicator of the positions each payload holds (1 at its ``k`` positions per chunk, 0 elsewhere),
+        taken from the positions, not the values (a kept entry may decode to 0, and ``uniform`` has no zero
+        level): ``(values, held)``."""
         pos_bytes, val_bytes, _ = self.chunk_bytes()
         positions = unpack_bits(payload[..., :pos_bytes], self.index_bits, self.k).astype(jnp.int32)
         codes = unpack_bits(payload[..., pos_bytes:pos_bytes + val_bytes], self.bits, self.k).astype(jnp.uint8)
         scales = lax.bitcast_convert_type(payload[..., pos_bytes + val_bytes:], jnp.float32)
         values = quant.dequantize(codes, scales, self.bits, format=self.format)
         lead = payload.shape[:-1]
-        dense = self._scatter(positions.reshape(-1, self.k), values.reshape(-1, self.k))
-        return dense.reshape(*lead[:-1], lead[-1] * self.chunk)
+        flat_positions = positions.reshape(-1, self.k)
+        dense = self._scatter(flat_positions, values.reshape(-1, self.k)).reshape(*lead[:-1], lead[-1] * self.chunk)
+        if not held:
+            return dense
+        ones = jnp.ones(flat_positions.shape, jnp.float32)
+        return dense, self._scatter(flat_positions, ones).reshape(dense.shape)
 
     def _scatter(self, positions, values):
         """``(rows, C)`` zeros with ``values`` written at ``positions`` (distinct within a row)."""

@@ -150,6 +150,71 @@ def test_the_sparse_exchange_is_the_mean_of_every_replicas_top_k_with_error_feed
     np.testing.assert_allclose(np.asarray(new), want_error, rtol=1e-6, atol=atol)
 
 
+def _supported(k, big, seed):
+    """A slice of ``k`` small values with entries ``big`` (per chunk: {position: value}) set large: each
+    chunk's top entries are those positions."""
+    x = distinct(k, seed=seed) * 1e-3
+    chunks = x.reshape(-1, 256)
+    for c in range(chunks.shape[0]):
+        for i, v in big.items():
+            chunks[c, i] = v
+    return chunks.reshape(-1)
+
+
+@pytest.mark.parametrize("support", ["same", "disjoint", "overlapping"])
+def test_the_mean_over_senders_divides_each_entry_by_the_replicas_that_sent_it(mesh, support):
+    """One exchange on the (2, 4) mesh, 16 entries of each 256 sent: ``average_over="senders"`` gives each
+    entry's sum over the replicas that sent it divided by their number (NumPy, from the top-k positions),
+    where "same" positions give the mean over replicas to the bit. "overlapping" holds one entry per chunk 100x
+    the others: at 2-bit ``int`` the rest of its top-k decode to exactly 0 and still count as sent."""
+    cfg = sparse.sparse_config(1 / 16, chunk=256, bits=2, format="int")
+    make = lambda average: diloco.Exchange("replica", "data", 2, diloco.coll.QuantConfig(2, 256, "int"), "all_gather",
+                                           True, 1.0, None, cfg, False, average)
+    k = 2 * 256
+    own = {"same": [range(16), range(16)], "disjoint": [range(16), range(16, 32)],
+           "overlapping": [range(16), range(8, 24)]}[support]
+    deltas = np.zeros((M, D, k), np.float32)
+    for m in range(M):
+        for d in range(D):
+            big = {i: (1.0 + 0.01 * i) * (-1) ** (i + m) for i in own[m]}
+            if support == "overlapping":
+                big[own[m][0]] = 100.0
+            deltas[m, d] = _supported(k, big, seed=m * D + d)
+    zero_error = jnp.zeros((M * D, k), jnp.float32)
+
+    def run(average):
+        body = lambda delta, e: make(average).mean(delta[0], 0, e[0], None)[0]
+        args = [put(mesh, a, P(DEVICES)) for a in (deltas.reshape(M * D, k), zero_error)]
+        return np.asarray(per_device(mesh, body, *args, in_specs=(P(DEVICES), P(DEVICES)))).reshape(M, D, k)
+
+    got, over_replicas = run("senders"), run("replicas")
+    sent = np.stack([[numpy_sparse(deltas[m, d], cfg) for d in range(D)] for m in range(M)])
+    held = np.zeros_like(sent)
+    for m in range(M):
+        for d in range(D):
+            for c, row in enumerate(deltas[m, d].reshape(-1, 256)):
+                held[m, d, c * 256 + np.argsort(-np.abs(row), kind="stable")[: cfg.k]] = 1.0
+    if support == "overlapping":
+        assert np.sum((held == 1) & (sent == 0)) > 0  # kept entries that decode to 0
+    want = sent.sum(axis=0) / np.maximum(held.sum(axis=0), 1.0)
+    for m in range(M):
+        np.testing.assert_allclose(got[m], want, rtol=1e-6, atol=0)
+        np.testing.assert_allclose(over_replicas[m], sent.mean(axis=0), rtol=1e-6, atol=0)
+    if support == "same":
+        assert got.tobytes() == over_replicas.tobytes()
+    else:  # an entry one replica sent moves the mean by its whole value over senders, by half over replicas
+        assert np.abs(got).sum() > 1.2 * np.abs(over_replicas).sum()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(density=0.01, bits=2, average_over="workers"), "average_over='workers' must be one of"),
+    (dict(bits=4, average_over="senders"), "a dense exchange sends every entry"),
+])
+def test_average_over_is_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        diloco.diloco(optax.sgd(0.1), sync_every=4, **kwargs)
+
+
 def test_diloco_sparse_sends_uint8_chunks_and_moves_each_fragment_by_at_most_m_k_entries_per_chunk(mesh):
     """End to end (H = 6, 3 fragments, overlap 1, SparseLoCo's rule: plain SGD at lr 1 on the mean): only
     uint8 crosses ``replica``, in the bytes of the slice's chunks, and each apply moves a fragment's global

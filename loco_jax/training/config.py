@@ -164,6 +164,9 @@ class DilocoFields:
     # True: each replica keeps its own unsent progress (restarts from the global parameters less its decayed
     # accumulator instead of the global parameters); needs alpha=0 and overlap <= 1 (diloco.diloco(keep_unsent)).
     keep_unsent: bool = False
+    # the sparse mean of each entry: over the M "replicas" (unsent entries count as zeros) or over the
+    # "senders" (the replicas whose payload holds it, as SparseLoCo's code averages; diloco.diloco(average_over)).
+    average_over: str = "replicas"
 
 
 @dataclasses.dataclass

@@ -8,6 +8,7 @@
     python benchmarks/sparse_parity.py --group grid      # seeds 1-3, M = 2 and 4: the other density x rule cells
     python benchmarks/sparse_parity.py --group probe     # seed 0, M = 2: moves tried after the seeds had run
     python benchmarks/sparse_parity.py --group tune4     # seed 0, M = 4: both rules at the chosen density and move
+    python benchmarks/sparse_parity.py --group outer     # seed 0, M = 2 and 4: outer lr x the sparse mean's divisor
     python benchmarks/sparse_parity.py --report
 
 Model, data, run length (3,000 steps), H = 30, 3 fragments, overlap 1 and the tuned Streaming DiLoCo
@@ -144,11 +145,60 @@ def grid_cells(tuned, chosen_pair, move):
             if (d, rule) != chosen_pair}
 
 
+# Issue 41, the outer step tuned for the sparse rule (seed 0, 3 % density, SparseLoCo's rule: outer momentum 0,
+# the accumulator decayed by 0.95): outer lr x the sparse mean's divisor (diloco.average_over), M = 2 first.
+OUTER_LRS = (1, 2, 3, 4, 6)
+AVERAGES = ("replicas", "senders")
+
+
+# run first, at each M: the issue's seed-0 probe (over replicas, lr 2), then the divisor it points to
+OUTER_ORDER = [("replicas", 2), ("senders", 1), ("senders", 2), ("replicas", 3), ("replicas", 4), ("senders", 3),
+               ("replicas", 6), ("senders", 4), ("senders", 6), ("replicas", 1)]
+
+
+def outer_name(m, avg, lr):
+    """The cell of M = m, divisor ``avg``, outer lr ``lr``: at M = 2, lr 1 over replicas is the tune cell
+    ``sp_m2_d3_ef_s0`` (the same run), not run again."""
+    return "sp_m2_d3_ef_s0" if (m, avg, lr) == (2, "replicas", 1) else f"sp41_m{m}_{avg}_lr{lr:g}_s0"
+
+
+def outer_cells():
+    tuned = parity.selection()
+    return {outer_name(m, avg, lr): ("outer", _sparse(tuned, 0, m, DENSITIES["d3"], "ef")
+                                     + [f"diloco.outer_lr={lr}", f"diloco.average_over={avg}"])
+            for m in (2, 4) for avg, lr in OUTER_ORDER if outer_name(m, avg, lr).startswith("sp41")}
+
+
+def outer_table():
+    """Seed 0: final eval loss of each outer lr x divisor cell, and its gap to data parallel and to the tuned
+    dense 4-bit exchange at the same M."""
+    lines = [f"Seed 0, {parity.LONG:,} steps, 3 % density, 2-bit values, SparseLoCo's rule (outer momentum 0, "
+             f"accumulator decay 0.95) at each outer lr, the sparse mean over the M replicas or over the senders; "
+             f"gaps to data parallel (`{DP_S0}`) and to the tuned dense 4-bit exchange at that M.", "",
+             "| M | mean over | " + " | ".join(f"lr {lr:g}" for lr in OUTER_LRS) + " |",
+             "|---|---|" + "---:|" * len(OUTER_LRS)]
+    for m in (2, 4):
+        dense = "par_m2_stream4_momentum0.8_alpha0_lr0.005_s0" if m == 2 else parity._best("par_m4_stream4")
+        for avg in AVERAGES:
+            row = []
+            for lr in OUTER_LRS:
+                name = outer_name(m, avg, lr)
+                if not quality.finished(name):
+                    row.append("-")
+                    continue
+                row.append(f"{quality.final(name):.4f} ({parity._fmt(_gap(name, DP_S0))} DP, "
+                           f"{parity._fmt(_gap(name, dense))} dense)")
+            lines.append(f"| {m} | {avg} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def cells():
     parity.cells()  # registers the references
+    quality.register(outer_cells())
     tune = quality.register(tune_cells())
     probe = quality.register(probe_cells())
-    return dict(tune, **probe, **quality.register(tune4_cells()), **quality.register(seeded_cells()))
+    return dict(tune, **probe, **quality.register(tune4_cells()), **quality.register(seeded_cells()),
+                **outer_cells())
 
 
 def _loss(name):
@@ -249,7 +299,7 @@ def report(no_write, extra_args):
 
 
 def main(argv=None):
-    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4"), cells(), report, argv)
+    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4", "outer"), cells(), report, argv)
 
 
 if __name__ == "__main__":

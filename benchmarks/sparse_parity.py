@@ -294,6 +294,7 @@ def report(no_write, extra_args):
         "### Tuning on seed 0", tune_table(),
         "### Seed 0 at M = 4", tune4_table(),
         f"### Seeds 1-3 at {parity.LONG:,} steps", final_table(),
+        "### The outer step for the sparse rule: outer lr x the mean's divisor (issue 41, seed 0)", outer_table(),
     ])
     common.report(HEADING, body, no_write=no_write, extra_args=extra_args)
 

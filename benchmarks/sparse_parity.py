@@ -162,23 +162,39 @@ def outer_name(m, avg, lr):
     return "sp_m2_d3_ef_s0" if (m, avg, lr) == (2, "replicas", 1) else f"sp41_m{m}_{avg}_lr{lr:g}_s0"
 
 
+# The seed-0 references, run again: the archived data-parallel and dense cells (2026-12-01/02) predate
+# cf4d0aa (2026-12-03), which made the replicated init the compiled one (a third of the initial values
+# round differently), so every later run, the sparse ones included, starts from other bits than they did.
+# Same seed, config and data order: these are their runs on today's init (parity.py's configs, unchanged).
+REFS = {"sp41_ref_dp_s0": "par_dp_lr0.002_s0", "sp41_ref_m2_dense4_s0": "par_m2_stream4_momentum0.8_alpha0_lr0.005_s0",
+        "sp41_ref_m4_dense4_s0": "par_m4_stream4_alpha0_lr0.005_s0"}
+
+
 def outer_cells():
     tuned = parity.selection()
-    return {outer_name(m, avg, lr): ("outer", _sparse(tuned, 0, m, DENSITIES["d3"], "ef")
-                                     + [f"diloco.outer_lr={lr}", f"diloco.average_over={avg}"])
-            for m in (2, 4) for avg, lr in OUTER_ORDER if outer_name(m, avg, lr).startswith("sp41")}
+    sweep = {outer_name(m, avg, lr): ("outer", _sparse(tuned, 0, m, DENSITIES["d3"], "ef")
+                                      + [f"diloco.outer_lr={lr}", f"diloco.average_over={avg}"])
+             for m in (2, 4) for avg, lr in OUTER_ORDER if outer_name(m, avg, lr).startswith("sp41")}
+    refs = {name: ("outer", list(parity.TUNE[old][1])) for name, old in REFS.items()}
+    names = list(sweep)
+    # the current cell, then the M = 2 references, then the rest of M = 2, the M = 4 reference, M = 4
+    order = names[:4] + list(REFS)[:2] + names[4:9] + list(REFS)[2:] + names[9:]
+    return {n: dict(sweep, **refs)[n] for n in order}
 
 
 def outer_table():
     """Seed 0: final eval loss of each outer lr x divisor cell, and its gap to data parallel and to the tuned
     dense 4-bit exchange at the same M."""
+    same = lambda ref, old: ref if quality.finished(ref) else old  # today's init where its run has finished
+    dp = same("sp41_ref_dp_s0", DP_S0)
     lines = [f"Seed 0, {parity.LONG:,} steps, 3 % density, 2-bit values, SparseLoCo's rule (outer momentum 0, "
              f"accumulator decay 0.95) at each outer lr, the sparse mean over the M replicas or over the senders; "
-             f"gaps to data parallel (`{DP_S0}`) and to the tuned dense 4-bit exchange at that M.", "",
+             f"gaps to data parallel (`{dp}`) and to the tuned dense 4-bit exchange at that M (the `sp41_ref_` cells: "
+             f"the archived references run again on today's init).", "",
              "| M | mean over | " + " | ".join(f"lr {lr:g}" for lr in OUTER_LRS) + " |",
              "|---|---|" + "---:|" * len(OUTER_LRS)]
     for m in (2, 4):
-        dense = "par_m2_stream4_momentum0.8_alpha0_lr0.005_s0" if m == 2 else parity._best("par_m4_stream4")
+        dense = same(f"sp41_ref_m{m}_dense4_s0", REFS[f"sp41_ref_m{m}_dense4_s0"])
         for avg in AVERAGES:
             row = []
             for lr in OUTER_LRS:
@@ -186,9 +202,13 @@ def outer_table():
                 if not quality.finished(name):
                     row.append("-")
                     continue
-                row.append(f"{quality.final(name):.4f} ({parity._fmt(_gap(name, DP_S0))} DP, "
+                row.append(f"{quality.final(name):.4f} ({parity._fmt(_gap(name, dp))} DP, "
                            f"{parity._fmt(_gap(name, dense))} dense)")
             lines.append(f"| {m} | {avg} | " + " | ".join(row) + " |")
+    lines += ["", "| reference | archived (before cf4d0aa) | today's init |", "|---|---:|---:|"]
+    for ref, old in REFS.items():
+        value = f"{quality.final(ref):.4f}" if quality.finished(ref) else "-"
+        lines.append(f"| `{old}` | {quality.final(old):.4f} | {value} |")
     return "\n".join(lines)
 
 

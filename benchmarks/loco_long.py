@@ -40,7 +40,7 @@ VARIANTS = {
 # exact-mean cells already run, with the same resolved config (parity.py's and sparse_parity.py's data
 # parallel at 3,000 steps): reused under their own names
 ALIASES = {**{("shakespeare", "fp32", s): f"par_dp_3000_s{s}" for s in (1, 2, 3)},
-           ("text2", "fp32", 1): "kjv_dp_3000_s1"}
+           ("text2", "fp32", 1): "kjv_dp_3000_s1", ("text2", "fp32", 2): "kjv_dp_3000_s2"}  # parity.py's width group
 
 
 def cell_name(text, variant, seed):

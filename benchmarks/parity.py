@@ -270,8 +270,45 @@ def seeded_cells():
     return quality.register(out)
 
 
+# Issue 41: the outer exchange's default width. Dense 2-bit ended level with 4-bit rotated on Shakespeare
+# (seeds 1-3, above); confirmed or not on the second text (benchmarks/second_text.py), seeds 1-2, M = 2 and 4,
+# at the settings chosen on Shakespeare, beside data parallel on the same text.
+WIDTH_SEEDS = (1, 2)
+
+
+def width_cells():
+    from benchmarks import second_text
+
+    chosen = selection()
+    text2 = [f"data.path={os.path.relpath(second_text.OUT, common.ROOT)}"]
+    out = {}
+    for seed in WIDTH_SEEDS:
+        if "dp" in chosen:
+            out[f"kjv_dp_3000_s{seed}"] = ("width", _dp(seed, LONG, chosen["dp"]) + text2)
+        for m in (2, 4):
+            s = chosen.get(("stream", m))
+            for name, bits in (("stream2", 2), ("stream4rot", 4)):
+                if s:
+                    out[f"kjv_m{m}_{name}_3000_s{seed}"] = ("width", _stream(seed, LONG, m, bits, s, name) + text2)
+    return quality.register(out)
+
+
+def width_table():
+    """The second text: each width's paired gap to data parallel per seed, and 2-bit against 4-bit."""
+    lines = ["Second text (King James Bible), seeds 1-2, 3,000 steps, the Shakespeare-chosen settings; gap to data "
+             "parallel on the same text and seed.", "", "| M | exchange | gap per seed | mean |", "|---|---|---|---:|"]
+    for m in (2, 4):
+        for name in ("stream2", "stream4rot"):
+            gaps = [100 * (quality.final(f"kjv_m{m}_{name}_3000_s{seed}") / quality.final(f"kjv_dp_3000_s{seed}") - 1)
+                    for seed in WIDTH_SEEDS
+                    if quality.finished(f"kjv_m{m}_{name}_3000_s{seed}") and quality.finished(f"kjv_dp_3000_s{seed}")]
+            mean = f"{statistics.mean(gaps):+.2f} %" if gaps else "-"
+            lines.append(f"| {m} | {name} | {', '.join(f'{g:+.2f} %' for g in gaps) or '-'} | {mean} |")
+    return "\n".join(lines)
+
+
 def cells():
-    return dict(TUNE, **seeded_cells())
+    return dict(TUNE, **seeded_cells(), **width_cells())
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -571,6 +608,7 @@ def report(no_write, extra_args):
         "### Tuning on seed 0", tune_table(),
         f"### Seeds 1-3 at {LONG:,} steps", final_table(), local_table(),
         "### Gap against run length", trend_table(),
+        "### The exchange's width on the second text (issue 41)", width_table(),
         f"![parity trend]({rel(trend_png)})", f"![parity loss curves]({rel(loss_png)})",
     ])
     common.report(HEADING, body, no_write=no_write, extra_args=extra_args)
@@ -581,7 +619,7 @@ def main(argv=None):
     if "--plan" in argv:
         print(plan())
         return
-    quality.cli(__doc__, ("tune", "final", "trend"), cells(), report, argv, on_finish=_keep_local_evals)
+    quality.cli(__doc__, ("tune", "final", "trend", "width"), cells(), report, argv, on_finish=_keep_local_evals)
 
 
 def _keep_local_evals(name):

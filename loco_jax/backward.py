@@ -149,6 +149,8 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
     def bwd(res, ct_out):
         saved, params, slot_f, sq, acc, inputs, consts = res
         depth = jax.tree.leaves(params)[0].shape[0]
+        # XLA:CPU: the top layer's gather (FSDP under remat) follows the cotangent's collectives
+        params = coll.after(params, ct_out)
         pending, ct = _layer_vjp(layer, prepare, params, saved, consts, remat, depth - 1, ct_out)
         noise_axes = loco._device_axes(pending, ex.axis_name)  # the layers' gradients all vary alike
         walk = _BackwardWalk(ex, base, prepare, dims, count, layer, remat, params, saved, consts, acc, slot_f,
@@ -234,8 +236,11 @@ class _BackwardWalk(NamedTuple):
         def body(carry, i):
             ct, pending, bufs = carry
             bufs = self.exchange(i + 1, pending, bufs)
-            pending, ct = self.backward(i, ct)
-            pending = coll.after(pending, _index(bufs[0], i + 1))  # XLA:CPU: the next exchange follows this one
+            # XLA:CPU: layer i's gather (FSDP under remat) and the next exchange follow this one
+            done = _index(bufs[0], i + 1)
+            full = self.prepare(coll.after(_index(self.params, i), done)) if self.remat else None
+            pending, ct = self.backward(i, ct, full)
+            pending = coll.after(pending, done)
             return (ct, pending, bufs), None
 
         (ct, pending, bufs), _ = lax.scan(body, (ct, pending, bufs), _layers_below_top(depth))
@@ -248,12 +253,16 @@ class _BackwardWalk(NamedTuple):
         i's parameters are prepared (FSDP: all-gathered) one iteration ahead, so that gather too runs under
         compute (the last iteration prepares layer 0 again, unused)."""
         payload, layout, bufs = self.send(depth - 1, pending, bufs)
-        ahead = self.prepare(_index(self.params, depth - 2)) if self.remat else None
+        # XLA:CPU runs independent collectives in no fixed order: each gather follows the gather and the
+        # exchange before it (the top layer's gather is taken before the loop), each exchange the gather
+        # issued beside it
+        ahead = self.prepare(coll.after(_index(self.params, depth - 2), pending)) if self.remat else None
 
         def body(carry, i):
             ct, payload, bufs, full = carry
-            full_next = self.prepare(_index(self.params, jnp.maximum(i - 1, 0))) if self.remat else None
-            if full_next is not None:  # XLA:CPU runs independent collectives in no fixed order: gather first
+            full_next = (self.prepare(coll.after(_index(self.params, jnp.maximum(i - 1, 0)), (full, payload)))
+                         if self.remat else None)
+            if full_next is not None:
                 payload = coll.after(payload, full_next)
             received = self.ex.exchange(payload)
             grads, ct = self.backward(i, ct, full)

@@ -607,6 +607,8 @@ class BucketStep(NamedTuple):
         out = []
         for i, leaf in enumerate(leaves):
             g = leaf.astype(jnp.float32)
+            if self.scatter:  # XLA:CPU: one reduce-scatter after another (it combines the all-reduces itself)
+                g = coll.after(g, out[-1:])
             if self.axis_name is not None:
                 mean_axes = self.axis_name if self.fast_axis is None else (self.axis_name, self.fast_axis)
                 g = (lax.psum_scatter(g, self.axis_name, scatter_dimension=dims[i], tiled=True) / m if self.scatter

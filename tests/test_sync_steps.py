@@ -117,7 +117,13 @@ def test_every_program_of_a_two_replica_run_orders_its_collectives(text_file, tm
     # LoCo in buckets, one after another; the two-stage outer exchange held across steps (send and apply apart)
     {"mesh.fsdp": True, "model.scan_layers": True, "diloco.mode": "two_stage", "loco.bucket_size": 2000,
      "diloco.overlap": 2, "diloco.num_fragments": 1},
-], ids=["in_backward_fsdp_sparse", "buckets_two_stage_held"])
+    # FSDP under remat with micro-batches and the in-backward exchange (each layer gathered again in the
+    # backward loop, the earlier micro-batch's groups and stack): what aborted CI's run of test_backward
+    {"loco.in_backward": True, "model.scan_layers": True, "mesh.fsdp": True, "model.remat": True,
+     "accum_steps": 2},
+    # FSDP's exact reduce-scatters (one per leaf), micro-batches through the per-layer gathers
+    {"mesh.fsdp": True, "model.scan_layers": True, "loco.bits": None, "accum_steps": 2},
+], ids=["in_backward_fsdp_sparse", "buckets_two_stage_held", "in_backward_fsdp_remat_micro", "fsdp_exact_micro"])
 def test_the_step_programs_of_other_layouts_order_their_collectives(text_file, tmp_path, sets):
     """The step programs of layouts the run above does not use have no unordered pair of collectives either:
     one exchange phase of each kind (a send and an apply, or each apart), compiled for CPU."""

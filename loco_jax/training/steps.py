@@ -169,7 +169,7 @@ def loss_and_grad(grad_fn, inputs, targets, accum_steps=1):
 
     def body(carry, xy):
         loss_sum, grad_sum = carry
-        l, g = grad_fn(*xy)
+        l, g = grad_fn(*coll.after(xy, carry))  # XLA:CPU: this micro-batch's collectives follow the last one's
         return (loss_sum + l, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g)), None
 
     (loss, grads), _ = lax.scan(body, (loss, grads), (xs[1:], ys[1:]))
@@ -249,7 +249,8 @@ def local_grad_fn(mcfg, params, shard_dims=None):
     layer_fn = _layer_gather(mcfg, shard_dims)
 
     def with_layers(rest_p, zeros, x, y):
-        return loss(dict(rest_p, layers=stack), x, y, layer_fn=layer_fn, layer_extra=zeros)
+        # XLA:CPU: the stack's gathers follow this micro-batch's inputs (and so the micro-batch before it)
+        return loss(dict(rest_p, layers=coll.after(stack, x)), x, y, layer_fn=layer_fn, layer_extra=zeros)
 
     def grad_fn(x, y):
         value, (g_rest, g_layers) = jax.value_and_grad(with_layers, argnums=(0, 1))(rest_full, delta, x, y)
@@ -338,10 +339,16 @@ def _earlier_micro_batches(mcfg, bk: _Buckets, xs, ys):
     def summed(x, y, acc, first):
         def loss(acc):
             used = list(bk.leaves)
+            # XLA:CPU: each group's gathers (FSDP) follow the one before, the first the micro-batch before
+            # (its sums), and the stack's (in its loops) follow them all
+            previous = [] if first else acc
             for b, idx in enumerate(members_of):
                 use = backward.accumulate_group(lambda xs, d=dims_of[b]: bk.gathered(xs, d), first)
-                for i, full in zip(idx, use([used[i] for i in idx], [acc[i] for i in idx])):
+                previous = use(coll.after([used[i] for i in idx], previous), [acc[i] for i in idx])
+                for i, full in zip(idx, previous):
                     used[i] = full
+            for i, leaf in zip(bk.stack[0], coll.after([used[i] for i in bk.stack[0]], previous)):
+                used[i] = leaf
 
             def stack_fn(layer, h, stack_params, consts):
                 run = backward.accumulate_stack(lambda p: bk.gathered(p, bk.layer_dims), layer, first,
@@ -413,7 +420,8 @@ def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs
     # full parameters as the model uses them); the stack's error buffers travel as cotangents
     prepared = []
     for b, idx in enumerate(bk.members_of):  # XLA:CPU: each group's gathers (FSDP) after the one before
-        prepared.append(bk.gathered(coll.after([bk.leaves[i] for i in idx], prepared[-1:]), bk.dims_of[b]))
+        before = prepared[-1:] or (acc or [])  # the first after the earlier micro-batches' sums
+        prepared.append(bk.gathered(coll.after([bk.leaves[i] for i in idx], before), bk.dims_of[b]))
     stack_params = coll.after(params["layers"], prepared)  # and the stack's (in its loops) after them all
     base = len(bk.flat)  # the stack's first bucket number
     stack_view = backward.as_cotangent(ex.slot_of(loco_state, base))

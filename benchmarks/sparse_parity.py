@@ -9,6 +9,8 @@
     python benchmarks/sparse_parity.py --group probe     # seed 0, M = 2: moves tried after the seeds had run
     python benchmarks/sparse_parity.py --group tune4     # seed 0, M = 4: both rules at the chosen density and move
     python benchmarks/sparse_parity.py --group outer     # seed 0, M = 2 and 4: outer lr x the sparse mean's divisor
+    python benchmarks/sparse_parity.py --group refs41    # seeds 1-3: the references on today's init, the senders' cell
+    python benchmarks/sparse_parity.py --group tune41    # seed 0, M = 2 and 4: decay, alpha, 1 % around the senders' cell
     python benchmarks/sparse_parity.py --report
 
 Model, data, run length (3,000 steps), H = 30, 3 fragments, overlap 1 and the tuned Streaming DiLoCo
@@ -182,6 +184,39 @@ def outer_cells():
     return {n: dict(sweep, **refs)[n] for n in order}
 
 
+def senders_cell(seed, m, *extra, density="d3"):
+    """SparseLoCo's rule with the mean over senders at outer lr 1 (the outer sweep's best at both M) at
+    ``density``, seed ``seed``, plus ``extra`` overrides."""
+    return _sparse(parity.selection(), seed, m, DENSITIES[density], "ef") + [
+        "diloco.outer_lr=1", "diloco.average_over=senders", *extra]
+
+
+# Seed 0, around the outer sweep's best cell (senders, lr 1), at each M: the accumulator's decay, alpha 0.5,
+# and 1 % density (the bits target) at lr 1 and 2.
+TUNE41 = {"decay0.9": ("d3", ["diloco.error_decay=0.9"]), "decay0.99": ("d3", ["diloco.error_decay=0.99"]),
+          "alpha0.5": ("d3", ["diloco.alpha=0.5"]), "d1": ("d1", []), "d1_lr2": ("d1", ["diloco.outer_lr=2"])}
+
+
+def tune41_cells():
+    return {f"sp41_m{m}_senders_lr1_{tag}_s0": ("tune41", senders_cell(0, m, *extra, density=d))
+            for m in (2, 4) for tag, (d, extra) in TUNE41.items()}
+
+
+def refs41_cells():
+    """Seeds 1-3: parity.py's data-parallel and dense 4-bit rotated references (``par_dp_3000_s*``,
+    ``par_m{2,4}_stream4rot_3000_s*``, archived before cf4d0aa) run again on today's init, then the senders'
+    cell at 3 % at M = 2 and 4, so that every gap of the seeded table is paired to the bit."""
+    out, archived = {}, parity.cells()
+    for seed in parity.SEEDS:
+        out[f"sp41_ref_dp_s{seed}"] = ("refs41", list(archived[f"par_dp_3000_s{seed}"][1]))
+        for m in (2, 4):
+            out[f"sp41_ref_m{m}_dense4rot_s{seed}"] = ("refs41", list(archived[f"par_m{m}_stream4rot_3000_s{seed}"][1]))
+    for seed in parity.SEEDS:
+        for m in (2, 4):
+            out[f"sp41_m{m}_senders_lr1_s{seed}"] = ("refs41", senders_cell(seed, m))
+    return out
+
+
 def outer_table():
     """Seed 0: final eval loss of each outer lr x divisor cell, and its gap to data parallel and to the tuned
     dense 4-bit exchange at the same M."""
@@ -218,7 +253,7 @@ def cells():
     tune = quality.register(tune_cells())
     probe = quality.register(probe_cells())
     return dict(tune, **probe, **quality.register(tune4_cells()), **quality.register(seeded_cells()),
-                **outer_cells())
+                **outer_cells(), **quality.register(tune41_cells()), **quality.register(refs41_cells()))
 
 
 def _loss(name):
@@ -320,7 +355,7 @@ def report(no_write, extra_args):
 
 
 def main(argv=None):
-    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4", "outer"), cells(), report, argv)
+    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4", "outer", "tune41", "refs41"), cells(), report, argv)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
     python benchmarks/sparse_parity.py --group outer     # seed 0, M = 2 and 4: outer lr x the sparse mean's divisor
     python benchmarks/sparse_parity.py --group refs41    # seeds 1-3: the references on today's init, the senders' cell
     python benchmarks/sparse_parity.py --group tune41    # seed 0, M = 2 and 4: decay, alpha, 1 % around the senders' cell
+    python benchmarks/sparse_parity.py --group quant41   # seed 0, M = 2 and 4: SparseLoCo's values quantizer there
     python benchmarks/sparse_parity.py --report
 
 Model, data, run length (3,000 steps), H = 30, 3 fragments, overlap 1 and the tuned Streaming DiLoCo
@@ -197,9 +198,15 @@ TUNE41 = {"decay0.9": ("d3", ["diloco.error_decay=0.9"]), "decay0.99": ("d3", ["
           "alpha0.5": ("d3", ["diloco.alpha=0.5"]), "d1": ("d1", []), "d1_lr2": ("d1", ["diloco.outer_lr=2"])}
 
 
+# Seed 0, the senders' cell with SparseLoCo's values quantizer (sparse.binmean_quantize; statistics per
+# 4,096-entry chunk until the chunks follow the leaves) in place of the 2-bit uniform one.
+QUANT41 = {"binmean": ("d3", ["diloco.format=binmean"]), "d1_binmean": ("d1", ["diloco.format=binmean"])}
+
+
 def tune41_cells():
-    return {f"sp41_m{m}_senders_lr1_{tag}_s0": ("tune41", senders_cell(0, m, *extra, density=d))
-            for m in (2, 4) for tag, (d, extra) in TUNE41.items()}
+    return {f"sp41_m{m}_senders_lr1_{tag}_s0": (group, senders_cell(0, m, *extra, density=d))
+            for group, table in (("tune41", TUNE41), ("quant41", QUANT41))
+            for m in (2, 4) for tag, (d, extra) in table.items()}
 
 
 def refs41_cells():
@@ -355,7 +362,7 @@ def report(no_write, extra_args):
 
 
 def main(argv=None):
-    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4", "outer", "tune41", "refs41"), cells(), report, argv)
+    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4", "outer", "tune41", "refs41", "quant41"), cells(), report, argv)
 
 
 if __name__ == "__main__":

@@ -439,6 +439,9 @@ def _resolve_exchange(bits, preset, format, compensate, rotate, mode, error_deca
         if error_decay is not None:
             raise ValueError(f"error_decay={error_decay} is the sparse accumulator's decay; set density, or use "
                              "error_beta for the dense exchange's error buffer.")
+        if format in sparse_lib.SPARSE_FORMAT_BITS:
+            raise ValueError(f"format={format!r} quantizes the kept values of a sparse exchange; set density, or "
+                             f"choose one of {quant.FORMATS} for the dense one.")
         resolved = settings(bits, preset, format=format, compensate=compensate, rotate=rotate)
         return None, resolved["format"], resolved["compensate"], resolved["rotate"], None, error_bits
     if error_decay is not None and (isinstance(error_decay, bool) or not isinstance(error_decay, (int, float))
@@ -760,6 +763,8 @@ def diloco(
                          f"exchange sends every entry from every replica: set density, or average_over='replicas'.")
     sparse_cfg, format, compensate, rotate, error_decay, error_bits = _resolve_exchange(
         bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk, index_bits)
+    if format in sparse_lib.SPARSE_FORMAT_BITS:  # the sparse payload's own (checked there); the dense parts' int
+        format = "int"
     _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, error_beta, error_bits, block_size,
               rotate)
     _validate_keep_unsent(keep_unsent, density, alpha, overlap)

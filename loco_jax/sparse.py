@@ -17,8 +17,10 @@ w = 12, b = 2``: 0.227). A chunk holding NaN or Inf gets a NaN scale, so its dec
 mean over replicas shows it (the exchange then drops the round, as the dense exchange does).
 
 Values use the project's quantizers (:func:`loco_jax.quant.quantize`; any format of
-:data:`loco_jax.quant.FORMATS` at its bit widths); positions are a fixed-width code, little-endian in a bit
-stream (:func:`pack_bits`).
+:data:`loco_jax.quant.FORMATS` at its bit widths, one fp32 scale per chunk) or ``"binmean"``, SparseLoCo's
+2-bit quantizer (:func:`binmean_quantize`: the kept values centred on their mean, 4 bins 1.5 standard
+deviations wide, each decoded to its bin's mean; 20 bytes of statistics per chunk in place of the scale);
+positions are a fixed-width code, little-endian in a bit stream (:func:`pack_bits`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,49 @@ def unpack_bits(packed, width: int, n: int):
     return jnp.sum(bits.astype(jnp.uint32) << jnp.arange(width, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
 
 
+# Values formats of the sparse payload alone (not loco_jax.quant's: they need the whole set of kept values),
+# with the bit widths each takes.
+SPARSE_FORMAT_BITS = {"binmean": (2,)}
+BINMEAN_BINS = 4
+BINMEAN_WIDTH = 1.5  # a bin's width in standard deviations of the centred values (6 sigma over 4 bins)
+
+
+def binmean_quantize(values):
+    """SparseLoCo's 2-bit values quantizer, over the last axis of ``values`` (one row: one chunk's kept values)::
+
+        mu = mean(v),  c = v - mu,  sigma = std(c) (unbiased; 0 for one value),  w = 1.5 sigma
+        q = clip(round(c / w + 2), 0, 3)                       (w = 1 where sigma = 0: every q is 2)
+        L[b] = mean of c over the values with q = b          (0 for an empty bin)
+        decode:  v^ = L[q] + mu
+
+    Returns ``(codes uint8 (..., k), side (..., 5) fp32)``, ``side = (mu, L[0], ..., L[3])``. A row holding
+    NaN or Inf gets a NaN side, so it decodes to NaN (the sparse mean then shows it). Inverse:
+    :func:`binmean_dequantize`. Every bin decodes to the mean of what it holds, so a row's decoded sum
+    equals its sum (up to rounding): the quantizer moves no mass, it only spreads it within each bin.
+    """
+    v = jnp.asarray(values, jnp.float32)
+    k = v.shape[-1]
+    finite = jnp.all(jnp.isfinite(v), axis=-1, keepdims=True)
+    v = jnp.where(finite, v, 0.0)
+    mu = jnp.mean(v, axis=-1, keepdims=True)
+    c = v - mu
+    sigma = jnp.sqrt(jnp.sum(c * c, axis=-1, keepdims=True) / max(k - 1, 1))
+    width = jnp.where(sigma > 0, BINMEAN_WIDTH * sigma, 1.0)
+    q = jnp.clip(jnp.round(c / width + BINMEAN_BINS // 2), 0, BINMEAN_BINS - 1).astype(jnp.uint8)
+    member = q[..., None] == jnp.arange(BINMEAN_BINS, dtype=jnp.uint8)  # (..., k, bins)
+    total = jnp.sum(jnp.where(member, c[..., None], 0.0), axis=-2)
+    count = jnp.sum(member, axis=-2)
+    table = jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
+    side = jnp.concatenate([mu, table], axis=-1)
+    return q, jnp.where(finite, side, jnp.nan)
+
+
+def binmean_dequantize(codes, side):
+    """The values of :func:`binmean_quantize`'s ``(codes, side)``: ``L[q] + mu`` per row."""
+    table = side[..., 1:]
+    return jnp.take_along_axis(table, codes.astype(jnp.int32), axis=-1) + side[..., :1]
+
+
 class SparseConfig(NamedTuple):
     """A top-``k``-per-chunk payload: ``chunk`` values per chunk, ``k`` kept, values at ``bits`` in
     ``format``, positions at ``index_bits``. Build it with :func:`sparse_config` (which checks it)."""
@@ -66,8 +111,9 @@ class SparseConfig(NamedTuple):
     index_bits: int
 
     def chunk_bytes(self) -> tuple[int, int, int]:
-        """Bytes of one chunk's positions, values and scale."""
-        return -(-self.k * self.index_bits // 8), -(-self.k * self.bits // 8), 4
+        """Bytes of one chunk's positions, values and scale (``binmean``: its mean and 4 bin means)."""
+        side = 4 * (1 + BINMEAN_BINS) if self.format == "binmean" else 4
+        return -(-self.k * self.index_bits // 8), -(-self.k * self.bits // 8), side
 
     def payload_bytes(self, n: int) -> int:
         """Bytes of the payload of ``n`` values (a whole number of chunks)."""
@@ -89,11 +135,16 @@ class SparseConfig(NamedTuple):
         """``(payload (N, bytes) uint8, sent (N C,) fp32)`` of a flat fp32 ``x``: ``sent`` is what the
         payload decodes to (for error feedback), computed without unpacking it."""
         positions, values, finite = self.select(x)
-        codes, scales = quant.quantize(values, self.bits, format=self.format)
-        scales = jnp.where(finite, scales, jnp.nan)
+        if self.format == "binmean":
+            codes, side = binmean_quantize(jnp.where(finite[:, None], values, jnp.nan))
+            decoded = binmean_dequantize(codes, side)
+        else:
+            codes, side = quant.quantize(values, self.bits, format=self.format)
+            side = jnp.where(finite, side, jnp.nan)
+            decoded = quant.dequantize(codes, side, self.bits, format=self.format)
+            side = side[:, None]
         payload = jnp.concatenate([pack_bits(positions, self.index_bits), pack_bits(codes, self.bits),
-                                   lax.bitcast_convert_type(scales, jnp.uint8)], axis=-1)
-        decoded = quant.dequantize(codes, scales, self.bits, format=self.format)
+                                   lax.bitcast_convert_type(side, jnp.uint8).reshape(side.shape[0], -1)], axis=-1)
         return payload, self._scatter(positions, decoded).reshape(-1)
 
     def decode(self, payload, *, held=False):
@@ -104,8 +155,13 @@ class SparseConfig(NamedTuple):
         pos_bytes, val_bytes, _ = self.chunk_bytes()
         positions = unpack_bits(payload[..., :pos_bytes], self.index_bits, self.k).astype(jnp.int32)
         codes = unpack_bits(payload[..., pos_bytes:pos_bytes + val_bytes], self.bits, self.k).astype(jnp.uint8)
-        scales = lax.bitcast_convert_type(payload[..., pos_bytes + val_bytes:], jnp.float32)
-        values = quant.dequantize(codes, scales, self.bits, format=self.format)
+        side = payload[..., pos_bytes + val_bytes:]
+        if self.format == "binmean":
+            side = lax.bitcast_convert_type(side.reshape(*side.shape[:-1], -1, 4), jnp.float32)
+            values = binmean_dequantize(codes, side)
+        else:
+            values = quant.dequantize(codes, lax.bitcast_convert_type(side, jnp.float32), self.bits,
+                                      format=self.format)
         lead = payload.shape[:-1]
         flat_positions = positions.reshape(-1, self.k)
         dense = self._scatter(flat_positions, values.reshape(-1, self.k)).reshape(*lead[:-1], lead[-1] * self.chunk)
@@ -126,7 +182,8 @@ def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, 
     """A checked :class:`SparseConfig`: ``k = round(density C)`` entries of every ``C = chunk`` values.
 
     ``density`` in (0, 1); ``chunk`` a power of two >= 2; ``k`` in [1, C); ``bits`` one of ``format``'s
-    widths (:data:`loco_jax.quant.FORMAT_BITS`); ``index_bits`` (None: ``log2 C``) wide enough for a
+    widths (:data:`loco_jax.quant.FORMAT_BITS`, or :data:`SPARSE_FORMAT_BITS` for ``"binmean"``, which also
+    needs ``k >= 2`` for its standard deviation); ``index_bits`` (None: ``log2 C``) wide enough for a
     position in the chunk, at most 32.
     """
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density < 1.0:
@@ -140,7 +197,15 @@ def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, 
         raise ValueError(f"density={density} keeps k = round({density} x {chunk}) = {k} entries of a "
                          f"{chunk}-entry chunk; k must lie in [1, {chunk - 1}]: use a density in "
                          f"[{1 / chunk:.3g}, {(chunk - 1) / chunk:.6g}] or another chunk.")
-    quant.validate_format(bits, format)
+    if format in SPARSE_FORMAT_BITS:
+        if bits not in SPARSE_FORMAT_BITS[format]:
+            raise ValueError(f"format={format!r} takes bits in {SPARSE_FORMAT_BITS[format]} (its {BINMEAN_BINS} "
+                             f"bins), not bits={bits!r}.")
+        if k < 2:
+            raise ValueError(f"format={format!r} keeps k = {k} entry per chunk; its statistics need k >= 2: use a "
+                             f"density >= {2 / chunk:.3g} for chunk={chunk}.")
+    else:
+        quant.validate_format(bits, format)
     need = int(math.log2(chunk))
     index_bits = need if index_bits is None else index_bits
     if not is_int(index_bits) or not need <= index_bits <= 32:
@@ -149,4 +214,5 @@ def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, 
     return SparseConfig(chunk, k, bits, format, index_bits)
 
 
-__all__ = ["DEFAULT_CHUNK", "SparseConfig", "pack_bits", "sparse_config", "unpack_bits"]
+__all__ = ["DEFAULT_CHUNK", "SPARSE_FORMAT_BITS", "SparseConfig", "binmean_dequantize", "binmean_quantize",
+           "pack_bits", "sparse_config", "unpack_bits"]

@@ -30,6 +30,9 @@ def numpy_sparse(x, cfg):
     out = np.zeros_like(chunks)
     for c, row in enumerate(chunks):
         keep = np.argsort(-np.abs(row), kind="stable")[: cfg.k]
+        if cfg.format == "binmean":
+            out[c, keep] = numpy_binmean(row[keep])[1]
+            continue
         codes, scales = quant.quantize(jnp.asarray(row[keep])[None], cfg.bits, format=cfg.format)
         out[c, keep] = np.asarray(quant.dequantize(codes, scales, cfg.bits, format=cfg.format))[0]
     return out.reshape(-1)
@@ -66,6 +69,51 @@ def test_encode_keeps_each_chunks_top_k_at_b_bits_and_decodes_to_what_it_sent(de
     assert both.shape == (2, x.size)
 
 
+def numpy_binmean(v):
+    """SparseLoCo's 2-bit values quantizer in NumPy (float64), one row: centre on the mean, bins 1.5 sample
+    standard deviations wide around code 2, each bin decoded to the mean of the centred values in it."""
+    v = np.asarray(v, np.float64)
+    mu = v.mean()
+    c = v - mu
+    sigma = np.std(c, ddof=1) if v.size > 1 else 0.0
+    width = 1.5 * sigma if sigma > 0 else 1.0
+    q = np.clip(np.round(c / width + 2), 0, 3).astype(int)
+    table = np.array([c[q == b].mean() if np.any(q == b) else 0.0 for b in range(4)])
+    return q, table[q] + mu
+
+
+def test_the_binmean_quantizer_matches_numpy_and_keeps_each_rows_sum():
+    rng = np.random.RandomState(3)
+    rows = [distinct(123, seed=1), rng.randn(41) * 1e-3 + 2e-3,  # top-k values, an off-centre row
+            np.array([0.5, 0.5, 0.5, 0.5]), np.array([-1.0, 1.0, -1.0, 1.0])]  # sigma 0; two values only
+    for row in rows:
+        codes, side = sparse.binmean_quantize(jnp.asarray(row, jnp.float32)[None])
+        want_q, want = numpy_binmean(np.asarray(row, np.float32))
+        np.testing.assert_array_equal(np.asarray(codes[0]), want_q)
+        got = np.asarray(sparse.binmean_dequantize(codes, side)[0])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(row).max())
+        np.testing.assert_allclose(got.sum(), np.sum(row, dtype=np.float64), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(sparse.binmean_dequantize(*sparse.binmean_quantize(
+        jnp.asarray([[0.5, 0.5, 0.5, 0.5]])))), 0.5)  # sigma 0: exact
+
+
+def test_the_binmean_payload_round_trips_and_a_nonfinite_chunk_decodes_to_nan():
+    cfg = sparse.sparse_config(0.03, bits=2, format="binmean")
+    assert cfg.chunk_bytes() == (-(-123 * 12 // 8), -(-123 * 2 // 8), 20)
+    x = distinct(4096 * 3)
+    payload, sent = cfg.encode(jnp.asarray(x))
+    assert payload.dtype == jnp.uint8 and payload.shape == (3, sum(cfg.chunk_bytes()))
+    np.testing.assert_array_equal(np.asarray(cfg.decode(payload)), np.asarray(sent))
+    chunks, out = x.reshape(3, -1), np.zeros((3, 4096))
+    for c, row in enumerate(chunks):
+        keep = np.argsort(-np.abs(row), kind="stable")[: cfg.k]
+        out[c, keep] = numpy_binmean(row[keep])[1]
+    np.testing.assert_allclose(np.asarray(sent).reshape(3, -1), out, rtol=1e-5, atol=1e-6)
+    x[5000] = np.nan
+    decoded = np.asarray(cfg.decode(cfg.encode(jnp.asarray(x))[0])).reshape(3, -1)
+    assert np.isnan(decoded[1]).any() and np.isfinite(decoded[[0, 2]]).all()
+
+
 def test_bits_per_value_at_the_issues_density():
     cfg = sparse.sparse_config(64 / 4096, bits=2)  # 1.56 %, 12-bit positions, 2-bit values, a scale per chunk
     assert cfg.k == 64 and cfg.index_bits == 12 and cfg.chunk_bytes() == (96, 16, 4)
@@ -93,6 +141,8 @@ def test_a_nonfinite_chunk_decodes_to_nan_and_only_that_chunk():
     (dict(density=0.01, index_bits=8), "index_bits=8 cannot hold a position in a 4096-entry chunk"),
     (dict(density=0.01, bits=3), "bits=3 is not supported; choose one of"),
     (dict(density=0.01, format="e3m0", bits=2), "format='e3m0' supports bits in \\(4,\\), not bits=2"),
+    (dict(density=0.01, format="binmean", bits=4), "format='binmean' takes bits in \\(2,\\)"),
+    (dict(density=1 / 4096, format="binmean", bits=2), "keeps k = 1 entry per chunk; its statistics need k >= 2"),
 ])
 def test_bad_sparse_settings_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -109,17 +159,19 @@ def test_bad_sparse_settings_are_refused_by_name(kwargs, match):
     (dict(density=0.01, bits=2, error_decay=0.0), "error_decay=0.0 must lie in \\(0, 1\\]"),
     (dict(density=0.01, bits=2, error_decay=1.5), "error_decay=1.5"),
     (dict(bits=4, error_decay=0.9), "set density"),
+    (dict(bits=2, format="binmean"), "format='binmean' quantizes the kept values of a sparse exchange; set density"),
 ])
 def test_diloco_refuses_bad_sparse_settings_before_anything_compiles(kwargs, match):
     with pytest.raises(ValueError, match=match):
         diloco.diloco(optax.sgd(0.1), sync_every=4, **kwargs)
 
 
-@pytest.mark.parametrize("decay,error_bits", [(1.0, None), (0.9, None), (0.95, 8)])
-def test_the_sparse_exchange_is_the_mean_of_every_replicas_top_k_with_error_feedback(mesh, decay, error_bits):
+@pytest.mark.parametrize("decay,error_bits,fmt", [(1.0, None, "uniform"), (0.9, None, "uniform"), (0.95, 8, "uniform"),
+                                                (0.95, None, "binmean")])
+def test_the_sparse_exchange_is_the_mean_of_every_replicas_top_k_with_error_feedback(mesh, decay, error_bits, fmt):
     """One exchange on the (2, 4) mesh: each device's slice, a = beta e + Delta, sends C(a), keeps a - C(a);
-    the mean is (1/M) sum_m C(a_m) on every replica (NumPy re-derivation)."""
-    cfg = sparse.sparse_config(1 / 16, chunk=256, bits=2, format="uniform")
+    the mean is (1/M) sum_m C(a_m) on every replica (NumPy re-derivation, values in ``fmt``)."""
+    cfg = sparse.sparse_config(1 / 16, chunk=256, bits=2, format=fmt)
     ex = diloco.Exchange("replica", "data", 2, diloco.coll.QuantConfig(2, 256, "uniform"), "all_gather", True,
                          decay, error_bits, cfg)
     k = 2 * 256  # this device's slice: 2 chunks

@@ -406,8 +406,14 @@ def validate(cfg: Config):
         if fmt is not None:
             from loco_jax import quant
 
-            if fmt not in quant.FORMATS:
-                raise ValueError(f"{section}.format={fmt!r} is unknown; choose one of {quant.FORMATS} or None.")
+            from loco_jax import sparse
+
+            known = quant.FORMATS + (tuple(sparse.SPARSE_FORMAT_BITS) if section == "diloco" else ())
+            if fmt not in known:
+                raise ValueError(f"{section}.format={fmt!r} is unknown; choose one of {known} or None.")
+            if fmt in sparse.SPARSE_FORMAT_BITS and cfg.diloco.density is None:
+                raise ValueError(f"diloco.format={fmt!r} quantizes a sparse exchange's kept values; set "
+                                 f"diloco.density, or choose one of {quant.FORMATS}.")
 
 
 def dumps(cfg) -> str:

@@ -9,7 +9,8 @@ a quiet one) or without it, and prints, per layout, the count of unordered pairs
 and the first few. Exit status 1 if any layout has one.
 
     python benchmarks/collective_order.py            # the whole matrix (about 30 minutes on one core)
-    python benchmarks/collective_order.py --quick    # the layouts the tests do not compile
+    python benchmarks/collective_order.py --quick    # FSDP with remat or micro-batches
+    python benchmarks/collective_order.py --only diloco.enabled=False   # data parallel's layouts
 """
 from __future__ import annotations
 
@@ -66,13 +67,18 @@ def check(sets, text_file, workdir):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only FSDP with remat or micro-batches")
+    parser.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
+                        help="only the layouts with this setting (e.g. diloco.enabled=False); repeatable")
     args = parser.parse_args(argv)
+    only = [tuple(x.split("=", 1)) for x in args.only]
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
         text_file = os.path.join(tmp, "text.txt")
         with open(text_file, "w") as f:
             f.write("the quick brown fox jumps over the lazy dog. " * 2000)
         for sets in layouts(args.quick):
+            if any(str(sets.get(k)) != v for k, v in only):
+                continue
             for phase, pairs in check(sets, text_file, tmp):
                 bad += bool(pairs)
                 name = " ".join(f"{k}={v}" for k, v in sets.items())

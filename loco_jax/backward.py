@@ -149,9 +149,9 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
     def bwd(res, ct_out):
         saved, params, slot_f, sq, acc, inputs, consts = res
         depth = jax.tree.leaves(params)[0].shape[0]
-        # XLA:CPU: the top layer's gather (FSDP under remat) follows the cotangent's collectives
-        params = coll.after(params, ct_out)
-        pending, ct = _layer_vjp(layer, prepare, params, saved, consts, remat, depth - 1, ct_out)
+        # XLA:CPU: the top layer's gather (FSDP under remat) follows the forward pass (the cotangent)
+        top = prepare(coll.after(_index(params, depth - 1), ct_out)) if remat else None
+        pending, ct = _layer_vjp(layer, prepare, params, saved, consts, remat, depth - 1, ct_out, top)
         noise_axes = loco._device_axes(pending, ex.axis_name)  # the layers' gradients all vary alike
         walk = _BackwardWalk(ex, base, prepare, dims, count, layer, remat, params, saved, consts, acc, slot_f,
                              inputs, noise_axes)

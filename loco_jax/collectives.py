@@ -99,22 +99,32 @@ def after(tree, previous):
     communication overlap compute, and a GPU program issues its collectives in its one schedule's order.
 
     Under ``check_vma`` a leaf of ``previous`` typed varying over an axis that ``tree``'s first leaf is
-    invariant over cannot order it (the sum would change that leaf's type) and is left out; the project's
-    tests read every step program's compiled HLO for collectives left unordered
-    (:func:`loco_jax.hlo.unordered_collectives`).
+    invariant over cannot order it (the sum would change that leaf's type): where each such axis has size 1
+    (data parallel's batch varies over a ``replica`` axis of one device that its parameters do not) its
+    element is summed over them first (``psum`` over one device: no other device takes part); otherwise
+    the leaf is left out. The project's tests read every step program's compiled HLO for collectives left
+    unordered (:func:`loco_jax.hlo.unordered_collectives`).
     """
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
-    # under check_vma a value varying over an axis that the first leaf is invariant over would change its
-    # type: such leaves of ``previous`` cannot order it, and are left out
     axes = varying_axes(leaves[0])
-    prev = [p for p in jax.tree.leaves(previous) if varying_axes(p) <= axes]
+    prev, lone = [], []
+    for p in jax.tree.leaves(previous):
+        extra = varying_axes(p) - axes
+        if not extra:
+            prev.append(p)
+        elif all(axis_size(a) == 1 for a in extra):
+            prev.append(p)
+            lone.append((len(prev) - 1, tuple(sorted(extra))))
     if not prev:
         return tree
+    lone = dict(lone)
 
     def chained(first, *prev):
-        zero = sum((p.reshape(-1)[0].astype(jnp.float32) * 0).astype(jnp.int32) for p in prev)
+        heads = [p.reshape(-1)[0].astype(jnp.float32) for p in prev]
+        heads = [lax.psum(h, lone[i]) if i in lone else h for i, h in enumerate(heads)]
+        zero = sum((h * 0).astype(jnp.int32) for h in heads)
         return jnp.where(zero == 0, first, jnp.zeros_like(first))
 
     first = lax.platform_dependent(leaves[0], *prev, cpu=chained, default=lambda first, *_: first)

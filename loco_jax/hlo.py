@@ -996,7 +996,9 @@ def unordered_collectives(compiled: Any) -> list[UnorderedCollectives]:
     a site is a collective (or its async start), or a ``while``/``conditional``/``call``/
     ``async-start`` whose computations hold one (the pairs inside them are checked in turn). A pair is
     ordered when one site reaches the other through operands and ``control-predecessors``. Reduction
-    computations (``to_apply`` of a reduce) and fusions hold no collectives and are not walked.
+    computations (``to_apply`` of a reduce) and fusions hold no collectives and are not walked. A collective
+    whose every replica group is one device (a reduction over an axis of size 1) waits for no other device
+    and is not a site.
 
     ``compiled``: as for :func:`collective_bytes`. Returns an empty list for a program whose collectives
     run in one order on every device.
@@ -1012,16 +1014,20 @@ def unordered_collectives(compiled: Any) -> list[UnorderedCollectives]:
     def is_site(ins: _Instr) -> bool:
         kind, _ = _collective_kind(ins.opcode)
         if kind is not None:
-            return True
+            return synchronizes(ins)
         if ins.opcode.endswith("-done") or ins.opcode.endswith("-update"):
             return False
         return any(comp_holds(c) for c in callees(ins))
+
+    def synchronizes(ins: _Instr) -> bool:  # a collective whose every group is one device waits for no other
+        groups = replica_groups(ins.attrs.get("replica_groups"))
+        return ins.opcode == "collective-permute" or groups is None or any(len(g) > 1 for g in groups)
 
     def comp_holds(name: str, stack: tuple = ()) -> bool:
         if name not in holds:
             if name in stack:
                 return False
-            holds[name] = any(_collective_kind(i.opcode)[0] is not None
+            holds[name] = any((_collective_kind(i.opcode)[0] is not None and synchronizes(i))
                               or any(comp_holds(c, stack + (name,)) for c in callees(i))
                               for i in module.comps[name].instrs)
         return holds[name]

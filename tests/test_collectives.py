@@ -214,6 +214,26 @@ def test_after_orders_two_collectives_on_cpu_and_leaves_other_platforms_alone(me
     assert "stablehlo.multiply" in cpu and "stablehlo.multiply" not in cuda
 
 
+def test_after_ties_through_an_axis_of_one_device_and_skips_a_larger_one():
+    """On a (replica=1, data=8) mesh a value varying over both axes orders one varying over data only (its
+    element summed over the one-device replica axis, a reduction no other device takes part in); on
+    (replica=2, data=4) it cannot (the sum would be a real exchange) and ``after`` leaves it out."""
+    def program(replicas):
+        mesh = jax.make_mesh((replicas, 8 // replicas), ("replica", "data"))
+
+        def f(x, w):
+            total = lax.psum(x, "data")  # varies over replica: the batch's axes
+            return total, lax.all_gather(collectives.after(w, total), "data", tiled=True, to="invarying")
+
+        sharded = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32,
+                                                           sharding=jax.sharding.NamedSharding(mesh, spec))
+        args = (sharded((8, 4), P(("replica", "data"))), sharded((8,), P("data")))
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(("replica", "data")), P("data")),
+                                     out_specs=(P("replica"), P()))).lower(*args).compile()
+    assert hlo.unordered_collectives(program(1)) == []
+    assert len(hlo.unordered_collectives(program(2))) == 1
+
+
 def test_after_changes_no_bit_whatever_previous_holds():
     """Every dtype the project ties (float32, bfloat16, int32, uint8, bool), ``-0.0`` and NaN included, comes
     back bit for bit, after a ``previous`` of NaN, +-Inf, the largest float32, a bool and an int."""

@@ -666,3 +666,7 @@ def test_unordered_collectives_follow_operands_and_control_predecessors_into_loo
     ordered = ordered.replace("%w = (s32[], f32[8]) while((s32[], f32[8]) %t0)",
                               "%w = (s32[], f32[8]) while((s32[], f32[8]) %t0), control-predecessors={%ay2}")
     assert hlo.unordered_collectives(ordered) == []
+    # a reduction whose every group is one device (an axis of size 1) waits for no other: not a site
+    alone = _ORDER_HLO.replace("channel_id=4, replica_groups={{0,1,2,3}}", "channel_id=4, replica_groups={{0},{1},{2},{3}}")
+    assert {(p.computation, frozenset((p.first, p.second))) for p in hlo.unordered_collectives(alone)} == {
+        ("body", frozenset(("r1", "r2")))}

@@ -123,17 +123,21 @@ def test_every_program_of_a_two_replica_run_orders_its_collectives(text_file, tm
      "accum_steps": 2},
     # FSDP's exact reduce-scatters (one per leaf), micro-batches through the per-layer gathers
     {"mesh.fsdp": True, "model.scan_layers": True, "loco.bits": None, "accum_steps": 2},
-], ids=["in_backward_fsdp_sparse", "buckets_two_stage_held", "in_backward_fsdp_remat_micro", "fsdp_exact_micro"])
+    # data parallel: the batch varies over a replica axis of one device that the parameters do not
+    {"diloco.enabled": False, "mesh.replicas": 1, "loco.in_backward": True, "model.scan_layers": True,
+     "mesh.fsdp": True, "model.remat": True},
+], ids=["in_backward_fsdp_sparse", "buckets_two_stage_held", "in_backward_fsdp_remat_micro", "fsdp_exact_micro",
+        "data_parallel_in_backward_fsdp_remat"])
 def test_the_step_programs_of_other_layouts_order_their_collectives(text_file, tmp_path, sets):
     """The step programs of layouts the run above does not use have no unordered pair of collectives either:
     one exchange phase of each kind (a send and an apply, or each apart), compiled for CPU."""
     t = Trainer(small_config(text_file, **sets), str(tmp_path), log=quiet)
     state, batch = t.init_state(), t.abstract_batch()
     kinds = {}
-    for step in range(1, t.cfg.diloco.sync_every + 2):
+    for step in range(1, t.cfg.diloco.sync_every + 2 if t.cfg.diloco.enabled else 2):
         phase = t.phase(step)
-        kinds.setdefault((phase.send is None, phase.apply is None), phase)
-    kinds.pop((True, True))  # the quiet step has no exchange
+        kinds.setdefault(None if phase is None else (phase.send is None, phase.apply is None), phase)
+    kinds.pop((True, True), None)  # the quiet step has no exchange (data parallel: one program, no phase)
     assert kinds, kinds
     for phase in kinds.values():
         compiled = t.program(phase, state, batch)

@@ -224,6 +224,37 @@ def refs41_cells():
     return out
 
 
+def refs41_table():
+    """Seeds 1-3 on today's init: the references against their archived runs, and the senders' cell's paired
+    gaps to them; then seed 0's tune41 and quant41 cells against the seed-0 references."""
+    seeds = parity.SEEDS
+    value = lambda n: f"{quality.final(n):.4f}" if quality.finished(n) else "-"
+    lines = ["| reference (seed) | archived (before cf4d0aa) | today's init |", "|---|---:|---:|"]
+    for seed in seeds:
+        for ref, old in ((f"sp41_ref_dp_s{seed}", f"par_dp_3000_s{seed}"),
+                         (f"sp41_ref_m2_dense4rot_s{seed}", f"par_m2_stream4rot_3000_s{seed}"),
+                         (f"sp41_ref_m4_dense4rot_s{seed}", f"par_m4_stream4rot_3000_s{seed}")):
+            lines.append(f"| `{old}` | {value(old)} | {value(ref)} |")
+    lines += ["", "| cells (seeds 1-3), today's init | M | mean paired gap to data parallel | to dense 4-bit rotated, same M |",
+              "|---|---:|---|---|"]
+    for m in (2, 4):
+        names = [f"sp41_m{m}_senders_lr1_s{seed}" for seed in seeds]
+        dps = [f"sp41_ref_dp_s{seed}" for seed in seeds]
+        dense = [f"sp41_ref_m{m}_dense4rot_s{seed}" for seed in seeds]
+        lines.append(f"| `sp41_m{m}_senders_lr1_s*` (3 %, SparseLoCo's rule, mean over senders, lr 1) | {m} | "
+                     f"{_paired(zip(names, dps))} | {_paired(zip(names, dense))} |")
+        lines.append(f"| `sp41_ref_m{m}_dense4rot_s*` | {m} | {_paired(zip(dense, dps))} | |")
+    lines += ["", "Seed 0 around the senders' cell (`tune41`, `quant41`); gaps to `sp41_ref_dp_s0` and to the dense "
+              "4-bit reference at that M:", "", "| cell | M | final eval loss | gap to DP | gap to dense 4-bit |",
+              "|---|---:|---:|---:|---:|"]
+    for m in (2, 4):
+        for tag in list(TUNE41) + list(QUANT41):
+            name = f"sp41_m{m}_senders_lr1_{tag}_s0"
+            lines.append(f"| `{name}` | {m} | {value(name)} | {parity._fmt(_gap(name, 'sp41_ref_dp_s0'))} | "
+                         f"{parity._fmt(_gap(name, f'sp41_ref_m{m}_dense4_s0'))} |")
+    return "\n".join(lines)
+
+
 def outer_table():
     """Seed 0: final eval loss of each outer lr x divisor cell, and its gap to data parallel and to the tuned
     dense 4-bit exchange at the same M."""
@@ -357,6 +388,7 @@ def report(no_write, extra_args):
         "### Seed 0 at M = 4", tune4_table(),
         f"### Seeds 1-3 at {parity.LONG:,} steps", final_table(),
         "### The outer step for the sparse rule: outer lr x the mean's divisor (issue 41, seed 0)", outer_table(),
+        "### The senders' cell on seeds 1-3, paired to the bit on today's init (issue 41)", refs41_table(),
     ])
     common.report(HEADING, body, no_write=no_write, extra_args=extra_args)
 

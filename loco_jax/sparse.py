@@ -29,6 +29,7 @@ import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from loco_jax import quant
@@ -98,6 +99,82 @@ def binmean_dequantize(codes, side):
     """The values of :func:`binmean_quantize`'s ``(codes, side)``: ``L[q] + mu`` per row."""
     table = side[..., 1:]
     return jnp.take_along_axis(table, codes.astype(jnp.int32), axis=-1) + side[..., :1]
+
+
+def largest_divisor(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is at most ``limit`` (1 for a prime ``n`` above it)."""
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+class TileLayout(NamedTuple):
+    """Chunks that follow the leaves (:func:`tile_layout`): a fragment's flat values reordered so that each
+    chunk is one 2-D tile of one matrix or one piece of one 1-D leaf, laid out per data device.
+
+    ``perm[t]``: the flat (extract-order) index of position ``t`` of the tiled vector, -1 for padding (a
+    zero); the tiled vector is ``D`` slices of ``slice_len`` values, and every slice is laid out alike: for
+    each class ``(C, n)`` of ``classes``, ``n`` chunks of ``C`` values, then ``slice_len - sum C n`` padding.
+    ``leaf[d][c]``: per device ``d`` and class ``c``, each chunk's leaf (piece) index, -1 for a padding chunk
+    (for statistics per tensor)."""
+
+    perm: np.ndarray
+    classes: tuple
+    slice_len: int
+    leaf: tuple
+
+
+def _chunks_of(shape, tile):
+    """``(C, index array (chunks, C))`` of one leaf's flat positions: 2-D tiles of the last two axes (each
+    side the largest divisor <= ``tile``), or pieces of a 1-D leaf."""
+    n = int(np.prod(shape, dtype=np.int64))
+    idx = np.arange(n, dtype=np.int64)
+    if len(shape) >= 2:
+        rows, cols = int(shape[-2]), int(shape[-1])
+        th, tw = largest_divisor(rows, tile), largest_divisor(cols, tile)
+        batch = n // (rows * cols)
+        tiles = idx.reshape(batch, rows // th, th, cols // tw, tw).transpose(0, 1, 3, 2, 4)
+        return th * tw, tiles.reshape(-1, th * tw)
+    piece = largest_divisor(n, tile)
+    return piece, idx.reshape(-1, piece)
+
+
+def tile_layout(shapes, devices: int = 1, *, tile: int = 64, align: int = 1) -> TileLayout:
+    """The :class:`TileLayout` of a fragment whose leaves (pieces, in extract order) have ``shapes``, for
+    ``devices`` data devices that each send one slice of it.
+
+    Each matrix (a leaf of 2 or more axes: the last two, per leading index) is cut into tiles of
+    ``a x b`` values, ``a`` and ``b`` the largest divisors of its sides that are at most ``tile``; each 1-D
+    leaf into pieces of the largest divisor of its length at most ``tile``. Chunks of one size form a
+    class (largest first, in leaf order within it); each class's chunks are dealt to the devices in
+    contiguous runs, padded with zero chunks to a multiple of ``devices``; each slice is padded to a
+    multiple of ``align`` (an error buffer's block). No chunk crosses a leaf, and the layout is static.
+    """
+    require_int("devices", devices, minimum=1)
+    require_int("tile", tile, minimum=1)
+    require_int("align", align, minimum=1)
+    by_size: dict[int, list] = {}
+    offset = 0
+    for leaf, shape in enumerate(shapes):
+        n = int(np.prod(shape, dtype=np.int64))
+        if n:
+            size, idx = _chunks_of(tuple(shape), tile)
+            by_size.setdefault(size, []).append((leaf, idx + offset))
+        offset += n
+    classes, parts, leaves = [], [], []
+    for size in sorted(by_size, reverse=True):
+        idx = np.concatenate([i for _, i in by_size[size]])
+        owner = np.concatenate([np.full(len(i), leaf) for leaf, i in by_size[size]])
+        per = -(-len(idx) // devices)
+        pad = per * devices - len(idx)
+        idx = np.concatenate([idx, np.full((pad, size), -1)]).reshape(devices, per, size)
+        owner = np.concatenate([owner, np.full(pad, -1)]).reshape(devices, per)
+        classes.append((size, per))
+        parts.append(idx.reshape(devices, -1))
+        leaves.append(owner)
+    used = sum(c * n for c, n in classes)
+    slice_len = max(-(-used // align) * align, align)
+    perm = np.concatenate(parts + [np.full((devices, slice_len - used), -1)], axis=1).reshape(-1)
+    leaf = tuple(tuple(owner[d] for owner in leaves) for d in range(devices))
+    return TileLayout(perm, tuple(classes), slice_len, leaf)
 
 
 class SparseConfig(NamedTuple):
@@ -214,5 +291,5 @@ def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, 
     return SparseConfig(chunk, k, bits, format, index_bits)
 
 
-__all__ = ["DEFAULT_CHUNK", "SPARSE_FORMAT_BITS", "SparseConfig", "binmean_dequantize", "binmean_quantize",
+__all__ = ["DEFAULT_CHUNK", "SPARSE_FORMAT_BITS", "SparseConfig", "TileLayout", "largest_divisor", "tile_layout", "binmean_dequantize", "binmean_quantize",
            "pack_bits", "sparse_config", "unpack_bits"]

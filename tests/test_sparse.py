@@ -396,3 +396,51 @@ def test_keep_unsent_sends_the_whole_displacement_and_restarts_each_replica_besi
     for r in range(M):
         want = new_global - beta * error[r].reshape(-1)[:size] + stepped[r] - snapshot[r]
         np.testing.assert_allclose(np.asarray(plan.extract(local(run.params, r), 0)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_tile_layout_cuts_each_matrix_into_tiles_and_each_vector_into_pieces_per_device():
+    """A fragment of a (128, 192) matrix, a stacked (2, 96, 64) one, a 128-vector and a 7-vector, for 2
+    devices: tiles of 64 x 64 and 48 x 64 (48: 96's largest divisor <= 64), pieces of 64 and of 7; every
+    flat index exactly once, each chunk one rectangle of one leaf (or a run of one vector), the classes
+    alike on both devices, padding where a class does not split evenly."""
+    shapes = [(128, 192), (2, 96, 64), (128,), (7,)]
+    layout = sparse.tile_layout(shapes, devices=2, align=256)
+    sizes = [int(np.prod(s)) for s in shapes]
+    starts = np.cumsum([0] + sizes)
+    assert sparse.largest_divisor(96, 64) == 48 and sparse.largest_divisor(7, 64) == 7
+    # (128, 192): 2 x 3 tiles of 4096; (2, 96, 64): 2 x 2 tiles of 48 x 64 = 3072; 2 pieces of 64; 1 of 7
+    assert layout.classes == ((4096, 3), (3072, 2), (64, 1), (7, 1))
+    used = 4096 * 3 + 3072 * 2 + 64 + 7
+    assert layout.slice_len == -(-used // 256) * 256 and layout.perm.shape == (2 * layout.slice_len,)
+    real = layout.perm[layout.perm >= 0]
+    np.testing.assert_array_equal(np.sort(real), np.arange(sum(sizes)))  # a permutation, padding apart
+    flat = np.arange(sum(sizes))
+    for d in range(2):
+        part = layout.perm[d * layout.slice_len:(d + 1) * layout.slice_len]
+        at = 0
+        for c, (size, n) in enumerate(layout.classes):
+            chunks = part[at:at + size * n].reshape(n, size)
+            at += size * n
+            for j, chunk in enumerate(chunks):
+                owner = layout.leaf[d][c][j]
+                if owner < 0:
+                    assert (chunk == -1).all()
+                    continue
+                assert ((chunk >= starts[owner]) & (chunk < starts[owner + 1])).all()  # one leaf
+                local = np.unravel_index(flat[chunk] - starts[owner], shapes[owner])
+                if len(shapes[owner]) >= 2:  # one rectangle of one matrix, in row-major order
+                    rows, cols = local[-2], local[-1]
+                    h, w = len(set(rows)), len(set(cols))
+                    assert h * w == size and len(set(zip(*local[:-2]))) <= 1
+                    want = np.repeat(np.arange(rows.min(), rows.min() + h), w).reshape(h, w)
+                    np.testing.assert_array_equal(rows.reshape(h, w), want)
+                else:
+                    np.testing.assert_array_equal(np.diff(local[0]), 1)  # a contiguous piece
+        assert (part[at:] == -1).all()
+
+
+def test_tile_layout_refuses_bad_arguments_by_name():
+    with pytest.raises(ValueError, match="devices=0 must be a positive integer"):
+        sparse.tile_layout([(4, 4)], devices=0)
+    with pytest.raises(ValueError, match="tile=0 must be a positive integer"):
+        sparse.tile_layout([(4, 4)], tile=0)

@@ -254,6 +254,68 @@ class SparseConfig(NamedTuple):
             values, unique_indices=True)
 
 
+class TiledSparse(NamedTuple):
+    """A top-k payload over a :class:`TileLayout`'s slice: one :class:`SparseConfig` per chunk class (its
+    ``k = max(1, round(density C))``, positions in ``ceil(log2 C)`` bits), the classes' payloads flattened
+    and concatenated into one static ``uint8`` vector; the slice's padding tail is not sent. Build it with
+    :func:`tiled_sparse`."""
+
+    classes: tuple  # ((C, n), ...): n chunks of C values per class, in slice order
+    configs: tuple  # one SparseConfig per class
+    slice_len: int
+
+    def payload_bytes(self) -> int:
+        return sum(n * sum(cfg.chunk_bytes()) for (_, n), cfg in zip(self.classes, self.configs))
+
+    def encode(self, x):
+        """``(payload (bytes,) uint8, sent (slice_len,) fp32)`` of one slice ``x``."""
+        payloads, sent, at = [], [], 0
+        for (size, n), cfg in zip(self.classes, self.configs):
+            payload, part = cfg.encode(x[at:at + size * n])
+            payloads.append(payload.reshape(-1))
+            sent.append(part)
+            at += size * n
+        sent.append(jnp.zeros((self.slice_len - at,), jnp.float32))
+        return jnp.concatenate(payloads), jnp.concatenate(sent)
+
+    def decode(self, payload, *, held=False):
+        """The dense slices ``(..., slice_len)`` of payloads ``(..., bytes)`` (``held``: also the indicator
+        of the positions each holds, as :meth:`SparseConfig.decode`)."""
+        lead = payload.shape[:-1]
+        values, marks, at = [], [], 0
+        for (size, n), cfg in zip(self.classes, self.configs):
+            width = n * sum(cfg.chunk_bytes())
+            out = cfg.decode(payload[..., at:at + width].reshape(*lead, n, -1), held=held)
+            at += width
+            values.append(out[0] if held else out)
+            if held:
+                marks.append(out[1])
+        used = sum(size * n for size, n in self.classes)
+        tail = jnp.zeros(lead + (self.slice_len - used,), jnp.float32)
+        dense = jnp.concatenate(values + [tail], axis=-1)
+        return (dense, jnp.concatenate(marks + [tail], axis=-1)) if held else dense
+
+
+def tiled_sparse(layout: TileLayout, density: float, *, bits: int = 2, format: str = "uniform") -> TiledSparse:
+    """The :class:`TiledSparse` payload of ``layout`` at ``density`` (in (0, 1)), values at ``bits`` in
+    ``format`` (checked as :func:`sparse_config` checks them; ``binmean`` needs every class's ``k >= 2``)."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density < 1.0:
+        raise ValueError(f"density={density!r} must lie in (0, 1): the fraction of each chunk's entries sent.")
+    configs = []
+    for size, _ in layout.classes:
+        k = min(max(1, round(density * size)), size)
+        if format in SPARSE_FORMAT_BITS:
+            if bits not in SPARSE_FORMAT_BITS[format]:
+                raise ValueError(f"format={format!r} takes bits in {SPARSE_FORMAT_BITS[format]}, not bits={bits!r}.")
+            if k < 2:
+                raise ValueError(f"format={format!r} needs k >= 2 per chunk, but a {size}-value chunk keeps {k} at "
+                                 f"density={density}.")
+        else:
+            quant.validate_format(bits, format)
+        configs.append(SparseConfig(size, k, bits, format, max(1, math.ceil(math.log2(size)))))
+    return TiledSparse(layout.classes, tuple(configs), layout.slice_len)
+
+
 def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, format: quant.Format = "int",
                   index_bits: int | None = None) -> SparseConfig:
     """A checked :class:`SparseConfig`: ``k = round(density C)`` entries of every ``C = chunk`` values.
@@ -291,5 +353,6 @@ def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, 
     return SparseConfig(chunk, k, bits, format, index_bits)
 
 
-__all__ = ["DEFAULT_CHUNK", "SPARSE_FORMAT_BITS", "SparseConfig", "TileLayout", "largest_divisor", "tile_layout", "binmean_dequantize", "binmean_quantize",
+__all__ = ["DEFAULT_CHUNK", "SPARSE_FORMAT_BITS", "SparseConfig", "TileLayout", "TiledSparse", "largest_divisor",
+           "tile_layout", "tiled_sparse", "binmean_dequantize", "binmean_quantize",
            "pack_bits", "sparse_config", "unpack_bits"]

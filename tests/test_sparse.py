@@ -444,3 +444,26 @@ def test_tile_layout_refuses_bad_arguments_by_name():
         sparse.tile_layout([(4, 4)], devices=0)
     with pytest.raises(ValueError, match="tile=0 must be a positive integer"):
         sparse.tile_layout([(4, 4)], tile=0)
+
+
+def test_a_tiled_payload_keeps_each_chunks_top_k_with_k_scaled_to_the_chunk():
+    """Over a layout's slice: each class's chunks keep their own k = max(1, round(density C)) (64 x 64 tiles
+    123 of 4096 at 3 %, 64-pieces 2, the 7-piece 1), decode to what was sent (NumPy top-k per chunk, the
+    values through the same quantizer), positions held where sent, the padding tail zero and not sent."""
+    layout = sparse.tile_layout([(128, 192), (128,), (7,)], devices=1, align=256)
+    tiled = sparse.tiled_sparse(layout, 0.03, bits=2, format="uniform")
+    assert [cfg.k for cfg in tiled.configs] == [123, 2, 1]
+    assert [cfg.index_bits for cfg in tiled.configs] == [12, 6, 3]
+    x = distinct(layout.slice_len, seed=4)
+    x[sum(c * n for c, n in layout.classes):] = 0.0  # the padding holds zeros
+    payload, sent = tiled.encode(jnp.asarray(x))
+    assert payload.dtype == jnp.uint8 and payload.shape == (tiled.payload_bytes(),)
+    values, held = tiled.decode(jnp.stack([payload, payload]), held=True)
+    np.testing.assert_array_equal(np.asarray(values[1]), np.asarray(sent))
+    at = 0
+    for (size, n), cfg in zip(layout.classes, tiled.configs):
+        part = x[at:at + size * n]
+        np.testing.assert_allclose(np.asarray(sent[at:at + size * n]), numpy_sparse(part, cfg), rtol=1e-6)
+        assert int(np.asarray(held[0, at:at + size * n]).sum()) == cfg.k * n
+        at += size * n
+    assert not np.asarray(sent[at:]).any() and not np.asarray(held[0, at:]).any()

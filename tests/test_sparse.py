@@ -467,3 +467,47 @@ def test_a_tiled_payload_keeps_each_chunks_top_k_with_k_scaled_to_the_chunk():
         assert int(np.asarray(held[0, at:at + size * n]).sum()) == cfg.k * n
         at += size * n
     assert not np.asarray(sent[at:]).any() and not np.asarray(held[0, at:]).any()
+
+
+def test_diloco_sparse_with_chunks_that_follow_the_leaves_sends_each_tiles_top_k(mesh):
+    """``chunks="leaves"`` end to end (H = 6, 3 fragments, overlap 1, SparseLoCo's rule, 16 x 16 tiles): the
+    bytes over ``replica`` are the tiled payload's, and each apply moves every tile of fragment 0 (read
+    in extract order, back through the layout) in at most M k of its entries."""
+    width = 512
+    tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=1, bits=2, density=1 / 64, chunk=256,
+                       chunks="leaves", **diloco.sparseloco_rule(lr=1.0, beta=0.95))
+    run = Run(mesh, tx, width=width)
+    xs, ys = make_data(9)
+    x0, y0 = put(mesh, xs[0], P(DEVICES)), put(mesh, ys[0], P(DEVICES))
+    report = hlo.collective_bytes(run.program(tx.phase(7)).lower(run.params, run.state, x0, y0).compile())
+    over_replica = [op for op in report.ops if op.group_size == M]
+    assert over_replica and {op.dtype for op in over_replica} == {"u8"}, report.table()
+    params = make_params(width=width)
+    plan = tx.plan(params)
+    shapes = [x.shape for x in plan.select(params, 0)]
+    layout = sparse.tile_layout(shapes, D, tile=16, align=256)
+    tiled = sparse.tiled_sparse(layout, 1 / 64, bits=2, format=diloco.SPARSE_FORMATS[2])
+    assert sum(op.total_bytes for op in over_replica) == (M - 1) * tiled.payload_bytes(), report.table()
+    before = None
+    for t in range(1, 10):
+        if t == 7:
+            before = np.asarray(plan.extract(diloco.global_params(run.state), 0))
+        run.step(t, xs[t - 1], ys[t - 1])
+    moved = np.asarray(plan.extract(diloco.global_params(run.state), 0)) - before
+    assert np.count_nonzero(moved) > 0
+    in_tiles = np.where(layout.perm >= 0, moved[np.maximum(layout.perm, 0)], 0.0).reshape(D, -1)
+    for d in range(D):
+        at = 0
+        for (size, n), cfg in zip(layout.classes, tiled.configs):
+            chunks = in_tiles[d, at:at + size * n].reshape(n, size)
+            assert np.count_nonzero(chunks, axis=1).max() <= M * cfg.k, (size, cfg.k)
+            at += size * n
+
+
+def test_chunks_that_follow_the_leaves_are_refused_where_they_cannot_apply():
+    with pytest.raises(ValueError, match="chunks='tiles' must be one of"):
+        diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, density=0.03, chunks="tiles")
+    with pytest.raises(ValueError, match="a dense exchange has none: set density"):
+        diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, chunks="leaves")
+    with pytest.raises(ValueError, match="chunk=512 is not a square"):
+        diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, density=0.03, chunk=512, chunks="leaves")

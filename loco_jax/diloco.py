@@ -248,14 +248,16 @@ class Exchange(NamedTuple):
             return None
         return _tile_layout(tuple(tuple(s) for s in shapes), d, math.isqrt(self.sparse.chunk), self.cfg.block_size)
 
-    def tiled(self, flat, layout):
+    @staticmethod
+    def tiled(flat, layout):
         """``flat`` (a fragment in extract order) in ``layout``'s tiled order, zeros at its padding."""
-        return jnp.where(layout.perm >= 0, jnp.take(flat, np.maximum(layout.perm, 0)), 0.0)
+        return layout.tiled(flat)
 
     @staticmethod
     def untiled(tiled, layout, size: int):
         """Inverse of :meth:`tiled`: the fragment's ``size`` values in extract order."""
-        return jnp.take(tiled, _untile_index(layout, size))
+        del size  # the layout's leaves hold it
+        return layout.untiled(tiled)
 
     def data_size(self) -> int:
         """``D``: the devices of ``data_axis`` bound in this ``shard_map`` (1 when none)."""
@@ -409,13 +411,6 @@ def merge(plan, p, mean_delta, global_params, local, outer, outer_state, alpha, 
 @functools.lru_cache(maxsize=64)
 def _tile_layout(shapes, d, tile, align):
     return sparse_lib.tile_layout(shapes, d, tile=tile, align=align)
-
-
-def _untile_index(layout, size):
-    inverse = np.empty(size, np.int64)
-    real = layout.perm >= 0
-    inverse[layout.perm[real]] = np.nonzero(real)[0]
-    return inverse
 
 
 def _tiled_sparse(layout, cfg):

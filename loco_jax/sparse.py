@@ -110,31 +110,105 @@ class TileLayout(NamedTuple):
     """Chunks that follow the leaves (:func:`tile_layout`): a fragment's flat values reordered so that each
     chunk is one 2-D tile of one matrix or one piece of one 1-D leaf, laid out per data device.
 
-    ``perm[t]``: the flat (extract-order) index of position ``t`` of the tiled vector, -1 for padding (a
-    zero); the tiled vector is ``D`` slices of ``slice_len`` values, and every slice is laid out alike: for
-    each class ``(C, n)`` of ``classes``, ``n`` chunks of ``C`` values, then ``slice_len - sum C n`` padding.
+    The tiled vector is ``devices`` slices of ``slice_len`` values, every slice laid out alike: for each
+    class ``(C, n)`` of ``classes``, ``n`` chunks of ``C`` values, then ``slice_len - sum C n`` padding.
     ``leaf[d][c]``: per device ``d`` and class ``c``, each chunk's leaf (piece) index, -1 for a padding chunk
-    (for statistics per tensor)."""
+    (for statistics per tensor). :meth:`tiled` and :meth:`untiled` reorder with reshapes, transposes and
+    pads; :meth:`permutation` is the same order as an index table (for tests: it is the fragment's size)."""
 
-    perm: np.ndarray
     classes: tuple
     slice_len: int
     leaf: tuple
+    shapes: tuple  # the leaves' shapes (extract order)
+    tile: int
+    devices: int
+
+    def permutation(self) -> np.ndarray:
+        """``perm[t]``: the flat (extract-order) index of position ``t`` of the tiled vector, -1 for padding."""
+        n = sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+        if n >= 2**31 - 1:
+            raise ValueError(f"permutation() of a fragment of {n} values: int32 positions hold fewer than 2**31.")
+        return np.asarray(self.tiled(jnp.arange(1, n + 1, dtype=jnp.int32))).astype(np.int64) - 1
+
+    def tiled(self, flat):
+        """``flat`` (the fragment in extract order) in this layout's order, zeros at the padding: per-leaf
+        reshapes and transposes, concatenations and pads (no index table: ``perm`` is its reference)."""
+        devices = self.devices
+        by_size, at = {}, 0
+        for shape in self.shapes:
+            n = int(np.prod(shape, dtype=np.int64))
+            if n:
+                size, chunks = _tile(flat[at:at + n], tuple(shape), self.tile)
+                by_size.setdefault(size, []).append(chunks)
+            at += n
+        runs = []
+        for size, per in self.classes:
+            chunks = jnp.concatenate(by_size[size]) if len(by_size[size]) > 1 else by_size[size][0]
+            chunks = jnp.pad(chunks, ((0, per * devices - chunks.shape[0]), (0, 0)))
+            runs.append(chunks.reshape(devices, per * size))
+        used = sum(c * n for c, n in self.classes)
+        runs.append(jnp.zeros((devices, self.slice_len - used), flat.dtype))
+        return jnp.concatenate(runs, axis=1).reshape(-1)
+
+    def untiled(self, tiled):
+        """Inverse of :meth:`tiled`: the fragment in extract order."""
+        devices = self.devices
+        rows = tiled.reshape(devices, self.slice_len)
+        by_size, at = {}, 0
+        for size, per in self.classes:
+            by_size[size] = rows[:, at:at + per * size].reshape(devices * per, size)
+            at += per * size
+        taken = {size: 0 for size in by_size}
+        parts = []
+        for shape in self.shapes:
+            n = int(np.prod(shape, dtype=np.int64))
+            if not n:
+                continue
+            size, count = _tile_counts(tuple(shape), self.tile)
+            chunks = by_size[size][taken[size]:taken[size] + count]
+            taken[size] += count
+            parts.append(_untile(chunks, tuple(shape), self.tile))
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def _chunks_of(shape, tile):
-    """``(C, index array (chunks, C))`` of one leaf's flat positions: 2-D tiles of the last two axes (each
-    side the largest divisor <= ``tile``), or pieces of a 1-D leaf."""
+def _tile_dims(shape, tile):
+    """``(batch, rows, th, cols, tw)`` of a matrix leaf (the last two axes), or ``(n, piece)`` of a vector."""
     n = int(np.prod(shape, dtype=np.int64))
-    idx = np.arange(n, dtype=np.int64)
     if len(shape) >= 2:
         rows, cols = int(shape[-2]), int(shape[-1])
-        th, tw = largest_divisor(rows, tile), largest_divisor(cols, tile)
-        batch = n // (rows * cols)
-        tiles = idx.reshape(batch, rows // th, th, cols // tw, tw).transpose(0, 1, 3, 2, 4)
-        return th * tw, tiles.reshape(-1, th * tw)
-    piece = largest_divisor(n, tile)
-    return piece, idx.reshape(-1, piece)
+        return n // (rows * cols), rows, largest_divisor(rows, tile), cols, largest_divisor(cols, tile)
+    return n, largest_divisor(n, tile)
+
+
+def _tile_counts(shape, tile):
+    """``(chunk size, chunks)`` of one leaf."""
+    dims = _tile_dims(shape, tile)
+    if len(dims) == 5:
+        batch, rows, th, cols, tw = dims
+        return th * tw, batch * (rows // th) * (cols // tw)
+    n, piece = dims
+    return piece, n // piece
+
+
+def _tile(x, shape, tile):
+    """``(C, (chunks, C))``: one leaf's flat values cut into its tiles (or pieces), in chunk order."""
+    dims = _tile_dims(shape, tile)
+    if len(dims) == 5:
+        batch, rows, th, cols, tw = dims
+        t = x.reshape(batch, rows // th, th, cols // tw, tw).transpose(0, 1, 3, 2, 4)
+        return th * tw, t.reshape(-1, th * tw)
+    n, piece = dims
+    return piece, x.reshape(-1, piece)
+
+
+def _untile(chunks, shape, tile):
+    """Inverse of :func:`_tile`: the leaf's flat values."""
+    dims = _tile_dims(shape, tile)
+    if len(dims) == 5:
+        batch, rows, th, cols, tw = dims
+        t = chunks.reshape(batch, rows // th, cols // tw, th, tw).transpose(0, 1, 3, 2, 4)
+        return t.reshape(-1)
+    return chunks.reshape(-1)
 
 
 def tile_layout(shapes, devices: int = 1, *, tile: int = 64, align: int = 1) -> TileLayout:
@@ -151,30 +225,23 @@ def tile_layout(shapes, devices: int = 1, *, tile: int = 64, align: int = 1) -> 
     require_int("devices", devices, minimum=1)
     require_int("tile", tile, minimum=1)
     require_int("align", align, minimum=1)
-    by_size: dict[int, list] = {}
-    offset = 0
+    shapes = tuple(tuple(int(d) for d in shape) for shape in shapes)
+    owners: dict[int, list] = {}
     for leaf, shape in enumerate(shapes):
-        n = int(np.prod(shape, dtype=np.int64))
-        if n:
-            size, idx = _chunks_of(tuple(shape), tile)
-            by_size.setdefault(size, []).append((leaf, idx + offset))
-        offset += n
-    classes, parts, leaves = [], [], []
-    for size in sorted(by_size, reverse=True):
-        idx = np.concatenate([i for _, i in by_size[size]])
-        owner = np.concatenate([np.full(len(i), leaf) for leaf, i in by_size[size]])
-        per = -(-len(idx) // devices)
-        pad = per * devices - len(idx)
-        idx = np.concatenate([idx, np.full((pad, size), -1)]).reshape(devices, per, size)
-        owner = np.concatenate([owner, np.full(pad, -1)]).reshape(devices, per)
+        if int(np.prod(shape, dtype=np.int64)):
+            size, count = _tile_counts(shape, tile)
+            owners.setdefault(size, []).append(np.full(count, leaf))
+    classes, leaves = [], []
+    for size in sorted(owners, reverse=True):
+        owner = np.concatenate(owners[size])
+        per = -(-len(owner) // devices)
+        owner = np.concatenate([owner, np.full(per * devices - len(owner), -1)]).reshape(devices, per)
         classes.append((size, per))
-        parts.append(idx.reshape(devices, -1))
         leaves.append(owner)
     used = sum(c * n for c, n in classes)
     slice_len = max(-(-used // align) * align, align)
-    perm = np.concatenate(parts + [np.full((devices, slice_len - used), -1)], axis=1).reshape(-1)
     leaf = tuple(tuple(owner[d] for owner in leaves) for d in range(devices))
-    return TileLayout(perm, tuple(classes), slice_len, leaf)
+    return TileLayout(tuple(classes), slice_len, leaf, shapes, tile, devices)
 
 
 class SparseConfig(NamedTuple):

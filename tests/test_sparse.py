@@ -1,6 +1,7 @@
 """The sparse payload (loco_jax.sparse) and DiLoCo's sparse outer exchange, against NumPy re-derivations."""
 
 import json
+import re
 
 import chex
 import jax
@@ -411,12 +412,13 @@ def test_tile_layout_cuts_each_matrix_into_tiles_and_each_vector_into_pieces_per
     # (128, 192): 2 x 3 tiles of 4096; (2, 96, 64): 2 x 2 tiles of 48 x 64 = 3072; 2 pieces of 64; 1 of 7
     assert layout.classes == ((4096, 3), (3072, 2), (64, 1), (7, 1))
     used = 4096 * 3 + 3072 * 2 + 64 + 7
-    assert layout.slice_len == -(-used // 256) * 256 and layout.perm.shape == (2 * layout.slice_len,)
-    real = layout.perm[layout.perm >= 0]
+    assert layout.slice_len == -(-used // 256) * 256 and layout.permutation().shape == (2 * layout.slice_len,)
+    perm = layout.permutation()
+    real = perm[perm >= 0]
     np.testing.assert_array_equal(np.sort(real), np.arange(sum(sizes)))  # a permutation, padding apart
     flat = np.arange(sum(sizes))
     for d in range(2):
-        part = layout.perm[d * layout.slice_len:(d + 1) * layout.slice_len]
+        part = perm[d * layout.slice_len:(d + 1) * layout.slice_len]
         at = 0
         for c, (size, n) in enumerate(layout.classes):
             chunks = part[at:at + size * n].reshape(n, size)
@@ -495,7 +497,7 @@ def test_diloco_sparse_with_chunks_that_follow_the_leaves_sends_each_tiles_top_k
         run.step(t, xs[t - 1], ys[t - 1])
     moved = np.asarray(plan.extract(diloco.global_params(run.state), 0)) - before
     assert np.count_nonzero(moved) > 0
-    in_tiles = np.where(layout.perm >= 0, moved[np.maximum(layout.perm, 0)], 0.0).reshape(D, -1)
+    in_tiles = np.asarray(layout.tiled(jnp.asarray(moved))).reshape(D, -1)
     for d in range(D):
         at = 0
         for (size, n), cfg in zip(layout.classes, tiled.configs):
@@ -511,3 +513,52 @@ def test_chunks_that_follow_the_leaves_are_refused_where_they_cannot_apply():
         diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, chunks="leaves")
     with pytest.raises(ValueError, match="chunk=512 is not a square"):
         diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, density=0.03, chunk=512, chunks="leaves")
+
+
+def numpy_tile_order(shapes, devices, tile, slice_len):
+    """The tiled order by index arithmetic: each leaf's chunks (``np.arange`` reshaped into its tiles, or
+    pieces), grouped by size (largest first, leaf order within), dealt to the devices in runs with -1
+    chunks for padding, each slice padded with -1 to ``slice_len``."""
+    by_size, offset = {}, 0
+    for shape in shapes:
+        n = int(np.prod(shape))
+        idx = np.arange(n) + offset
+        offset += n
+        if not n:
+            continue
+        if len(shape) >= 2:
+            rows, cols = shape[-2], shape[-1]
+            th, tw = sparse.largest_divisor(rows, tile), sparse.largest_divisor(cols, tile)
+            chunks = idx.reshape(-1, rows // th, th, cols // tw, tw).transpose(0, 1, 3, 2, 4).reshape(-1, th * tw)
+        else:
+            piece = sparse.largest_divisor(n, tile)
+            chunks = idx.reshape(-1, piece)
+        by_size.setdefault(chunks.shape[1], []).append(chunks)
+    rows = [[] for _ in range(devices)]
+    for size in sorted(by_size, reverse=True):
+        chunks = np.concatenate(by_size[size])
+        per = -(-len(chunks) // devices)
+        chunks = np.concatenate([chunks, np.full((per * devices - len(chunks), size), -1)])
+        for d in range(devices):
+            rows[d].append(chunks[d * per:(d + 1) * per].reshape(-1))
+    return np.concatenate([np.pad(np.concatenate(r), (0, slice_len - sum(len(x) for x in r)), constant_values=-1)
+                           for r in rows])
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_tiled_and_untiled_follow_the_index_arithmetic_without_an_index_table(devices):
+    """``TileLayout.tiled`` (reshapes, transposes, pads) puts the fragment where the index arithmetic says
+    (``numpy_tile_order``), zeros at the padding, and ``untiled`` gives it back exactly; its program holds
+    no integer array (a gather through an index table of the fragment's size would)."""
+    shapes = [(128, 192), (2, 96, 64), (128,), (7,), (0,), (5, 3)]
+    layout = sparse.tile_layout(shapes, devices=devices, align=256)
+    n = sum(int(np.prod(s)) for s in shapes)
+    flat = distinct(n, seed=5)
+    order = numpy_tile_order(shapes, devices, 64, layout.slice_len)
+    np.testing.assert_array_equal(layout.permutation(), order)
+    want = np.where(order >= 0, flat[np.maximum(order, 0)], 0.0)
+    got = np.asarray(jax.jit(layout.tiled)(jnp.asarray(flat)))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(layout.untiled)(jnp.asarray(got))), flat)
+    text = jax.jit(layout.tiled).lower(jnp.asarray(flat)).as_text()
+    assert not re.findall(r"tensor<\d+xi\d+>", text)  # no integer array at all (a take through perm has one)

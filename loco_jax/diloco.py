@@ -524,6 +524,14 @@ def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, bet
         raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}.")
 
 
+def _sparse_choice(name, value, choices, density, meaning, why_not_dense):
+    """Refuses ``value`` outside ``choices`` and, with a dense exchange, anything but the first (the default)."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {choices}: {meaning}.")
+    if value != choices[0] and density is None:
+        raise ValueError(f"{name}={value!r} {why_not_dense}: set density, or {name}={choices[0]!r}.")
+
+
 def _validate_keep_unsent(keep_unsent, density, alpha, overlap):
     if not isinstance(keep_unsent, bool):
         raise ValueError(f"keep_unsent={keep_unsent!r} must be True or False.")
@@ -813,12 +821,12 @@ def diloco(
         vector into pieces of at most ``sqrt(chunk)``, ``k`` scaled to each
         chunk's size; :func:`loco_jax.sparse.tile_layout`).
     """
-    if average_over not in AVERAGE_OVER:
-        raise ValueError(f"average_over={average_over!r} must be one of {AVERAGE_OVER}: the sparse mean's divisor "
-                         f"(M replicas, or the replicas that sent each entry).")
-    if average_over != "replicas" and density is None:
-        raise ValueError(f"average_over={average_over!r} divides each entry by the replicas that sent it; a dense "
-                         f"exchange sends every entry from every replica: set density, or average_over='replicas'.")
+    _sparse_choice("average_over", average_over, AVERAGE_OVER, density,
+                   "the sparse mean's divisor (M replicas, or the replicas that sent each entry)",
+                   "divides each entry by the replicas that sent it; a dense exchange sends every entry from every "
+                   "replica")
+    _sparse_choice("chunks", chunks, CHUNKS, density, "the flat fragment's chunks, or tiles and pieces that follow "
+                   "its leaves", "cuts a sparse exchange's chunks; a dense exchange has none")
     sparse_cfg, format, compensate, rotate, error_decay, error_bits = _resolve_exchange(
         bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk, index_bits)
     if format in sparse_lib.SPARSE_FORMAT_BITS:  # the sparse payload's own (checked there); the dense parts' int
@@ -832,12 +840,6 @@ def diloco(
         raise ValueError("compensate=True compensates quantization error, but bits=None exchanges exact fp32; set bits.")
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
-    if chunks not in CHUNKS:
-        raise ValueError(f"chunks={chunks!r} must be one of {CHUNKS}: the flat fragment's chunks, or tiles and pieces "
-                         f"that follow its leaves.")
-    if chunks != "flat" and density is None:
-        raise ValueError(f"chunks={chunks!r} cuts a sparse exchange's chunks; a dense exchange has none: set density, "
-                         f"or chunks='flat'.")
     if chunks == "leaves" and math.isqrt(chunk) ** 2 != chunk:
         raise ValueError(f"chunks='leaves' cuts tiles of sqrt(chunk) per side; chunk={chunk} is not a square "
                          f"(e.g. 4096 = 64 x 64, or 1024).")

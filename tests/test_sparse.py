@@ -268,20 +268,41 @@ def test_average_over_is_refused_by_name(kwargs, match):
         diloco.diloco(optax.sgd(0.1), sync_every=4, **kwargs)
 
 
-def test_diloco_sparse_sends_uint8_chunks_and_moves_each_fragment_by_at_most_m_k_entries_per_chunk(mesh):
-    """End to end (H = 6, 3 fragments, overlap 1, SparseLoCo's rule: plain SGD at lr 1 on the mean): only
-    uint8 crosses ``replica``, in the bytes of the slice's chunks, and each apply moves a fragment's global
-    parameters by the decoded mean, which has at most M k non-zeros per chunk."""
-    width = 512
-    rule = diloco.sparseloco_rule(lr=1.0, beta=0.95)
+def _sparse_run(mesh, width, **kwargs):
+    """A sparse Streaming DiLoCo run on the (2, 4) mesh (H = 6, 3 fragments, overlap 1, SparseLoCo's rule,
+    1/64 of 256-value chunks at 2 bits) and its exchange step's collectives over ``replica`` (asserted
+    uint8): ``(tx, run, xs, ys, ops over replica, report)``."""
     tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=1, bits=2, density=1 / 64, chunk=256,
-                       **rule)
+                       **diloco.sparseloco_rule(lr=1.0, beta=0.95), **kwargs)
     run = Run(mesh, tx, width=width)
     xs, ys = make_data(9)
     x0, y0 = put(mesh, xs[0], P(DEVICES)), put(mesh, ys[0], P(DEVICES))
     report = hlo.collective_bytes(run.program(tx.phase(7)).lower(run.params, run.state, x0, y0).compile())
     over_replica = [op for op in report.ops if op.group_size == M]
     assert over_replica and {op.dtype for op in over_replica} == {"u8"}, report.table()
+    return tx, run, xs, ys, over_replica, report
+
+
+def _fragment_0_moved_by_its_apply(run, plan, xs, ys):
+    """Steps 1-9 of ``run`` (H = 6, 3 fragments, overlap 1): how fragment 0's global parameters moved from
+    step 7 (its send) to step 9 (after its apply), in extract order; asserted non-zero."""
+    before = None
+    for t in range(1, 10):
+        if t == 7:
+            before = np.asarray(plan.extract(diloco.global_params(run.state), 0))
+        run.step(t, xs[t - 1], ys[t - 1])
+    moved = np.asarray(plan.extract(diloco.global_params(run.state), 0)) - before
+    assert np.count_nonzero(moved) > 0
+    return moved
+
+
+def test_diloco_sparse_sends_uint8_chunks_and_moves_each_fragment_by_at_most_m_k_entries_per_chunk(mesh):
+    """End to end (H = 6, 3 fragments, overlap 1, SparseLoCo's rule: plain SGD at lr 1 on the mean): only
+    uint8 crosses ``replica``, in the bytes of the slice's chunks, and each apply moves a fragment's global
+    parameters by the decoded mean, which has at most M k non-zeros per chunk."""
+    width = 512
+    tx, run, xs, ys, over_replica, report = _sparse_run(mesh, width)
+    x0, y0 = put(mesh, xs[0], P(DEVICES)), put(mesh, ys[0], P(DEVICES))
     plan = tx.plan(make_params(width=width))
     size0 = plan.fragment_sizes()[0]
     k = -(-size0 // D // 256) * 256
@@ -290,13 +311,7 @@ def test_diloco_sparse_sends_uint8_chunks_and_moves_each_fragment_by_at_most_m_k
     quiet = hlo.collective_bytes(run.program(tx.phase(2)).lower(run.params, run.state, x0, y0).compile())
     assert not [op for op in quiet.ops if op.group_size == M]
 
-    before = None
-    for t in range(1, 10):
-        if t == 7:
-            before = np.asarray(plan.extract(diloco.global_params(run.state), 0))
-        run.step(t, xs[t - 1], ys[t - 1])
-    moved = np.asarray(plan.extract(diloco.global_params(run.state), 0)) - before
-    assert np.count_nonzero(moved) > 0
+    moved = _fragment_0_moved_by_its_apply(run, plan, xs, ys)
     padded = np.pad(moved, (0, k * D - moved.size)).reshape(-1, 256)
     assert np.count_nonzero(padded, axis=1).max() <= M * cfg.k
     # error buffers: fp32, one per fragment, changed by fragment 0's round and fragment 1's (step 9)
@@ -476,27 +491,14 @@ def test_diloco_sparse_with_chunks_that_follow_the_leaves_sends_each_tiles_top_k
     bytes over ``replica`` are the tiled payload's, and each apply moves every tile of fragment 0 (read
     in extract order, back through the layout) in at most M k of its entries."""
     width = 512
-    tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=1, bits=2, density=1 / 64, chunk=256,
-                       chunks="leaves", **diloco.sparseloco_rule(lr=1.0, beta=0.95))
-    run = Run(mesh, tx, width=width)
-    xs, ys = make_data(9)
-    x0, y0 = put(mesh, xs[0], P(DEVICES)), put(mesh, ys[0], P(DEVICES))
-    report = hlo.collective_bytes(run.program(tx.phase(7)).lower(run.params, run.state, x0, y0).compile())
-    over_replica = [op for op in report.ops if op.group_size == M]
-    assert over_replica and {op.dtype for op in over_replica} == {"u8"}, report.table()
+    tx, run, xs, ys, over_replica, report = _sparse_run(mesh, width, chunks="leaves")
     params = make_params(width=width)
     plan = tx.plan(params)
     shapes = [x.shape for x in plan.select(params, 0)]
     layout = sparse.tile_layout(shapes, D, tile=16, align=256)
     tiled = sparse.tiled_sparse(layout, 1 / 64, bits=2, format=diloco.SPARSE_FORMATS[2])
     assert sum(op.total_bytes for op in over_replica) == (M - 1) * tiled.payload_bytes(), report.table()
-    before = None
-    for t in range(1, 10):
-        if t == 7:
-            before = np.asarray(plan.extract(diloco.global_params(run.state), 0))
-        run.step(t, xs[t - 1], ys[t - 1])
-    moved = np.asarray(plan.extract(diloco.global_params(run.state), 0)) - before
-    assert np.count_nonzero(moved) > 0
+    moved = _fragment_0_moved_by_its_apply(run, plan, xs, ys)
     in_tiles = np.asarray(layout.tiled(jnp.asarray(moved))).reshape(D, -1)
     for d in range(D):
         at = 0

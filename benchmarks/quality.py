@@ -151,7 +151,8 @@ _UNKEYED = {"sample_tokens": _ANY, "data.sp_model": None, "data.require_path": N
             "diloco.density": None, "diloco.chunk": 4096, "diloco.error_decay": None, "optim.name": "adamw",
             "optim.muon_beta": 0.95,
             "diloco.keep_unsent": False,  # each replica restarting from the global parameters, as before
-            "diloco.average_over": "replicas"}  # a sparse mean over the M replicas, as before (issue 41)
+            "diloco.average_over": "replicas",  # a sparse mean over the M replicas, as before (issue 41)
+            "diloco.chunks": "flat"}  # chunks of the flat fragment, as before (issue 41)
 
 
 def cell_dir(name, overrides=None) -> str:

@@ -13,6 +13,7 @@
     python benchmarks/sparse_parity.py --group tune41    # seed 0, M = 2 and 4: decay, alpha, 1 % around the senders' cell
     python benchmarks/sparse_parity.py --group quant41   # seed 0, M = 2 and 4: SparseLoCo's values quantizer there
     python benchmarks/sparse_parity.py --group topo41    # seed 0, M = 2 and 4: the paper's topology, H = 15 and 30
+    python benchmarks/sparse_parity.py --group tiles41   # seed 0, M = 2 and 4: chunks that follow the leaves
     python benchmarks/sparse_parity.py --report
 
 Model, data, run length (3,000 steps), H = 30, 3 fragments, overlap 1 and the tuned Streaming DiLoCo
@@ -202,6 +203,10 @@ TUNE41 = {"decay0.9": ("d3", ["diloco.error_decay=0.9"]), "decay0.99": ("d3", ["
 # Seed 0, the senders' cell with SparseLoCo's values quantizer (sparse.binmean_quantize; statistics per
 # 4,096-entry chunk until the chunks follow the leaves) in place of the 2-bit uniform one.
 QUANT41 = {"binmean": ("d3", ["diloco.format=binmean"]), "d1_binmean": ("d1", ["diloco.format=binmean"])}
+# Seed 0, the senders' cell with chunks that follow the leaves (64 x 64 tiles, 64-pieces, k scaled), with the
+# 2-bit uniform values and with SparseLoCo's quantizer.
+TILES41 = {"leaves": ("d3", ["diloco.chunks=leaves"]),
+           "leaves_binmean": ("d3", ["diloco.chunks=leaves", "diloco.format=binmean"])}
 
 
 # Seed 0, the senders' cell in the paper's topology (one fragment, no overlap, alpha 0) at H = 15 and 30: a
@@ -212,7 +217,7 @@ TOPO41 = {f"topo_h{h}": ("d3", ["diloco.num_fragments=1", "diloco.overlap=0", "d
 
 def tune41_cells():
     return {f"sp41_m{m}_senders_lr1_{tag}_s0": (group, senders_cell(0, m, *extra, density=d))
-            for group, table in (("tune41", TUNE41), ("quant41", QUANT41), ("topo41", TOPO41))
+            for group, table in (("tune41", TUNE41), ("quant41", QUANT41), ("topo41", TOPO41), ("tiles41", TILES41))
             for m in (2, 4) for tag, (d, extra) in table.items()}
 
 
@@ -255,7 +260,7 @@ def refs41_table():
               "4-bit reference at that M:", "", "| cell | M | final eval loss | gap to DP | gap to dense 4-bit |",
               "|---|---:|---:|---:|---:|"]
     for m in (2, 4):
-        for tag in list(TUNE41) + list(QUANT41) + list(TOPO41):
+        for tag in list(TUNE41) + list(QUANT41) + list(TOPO41) + list(TILES41):
             name = f"sp41_m{m}_senders_lr1_{tag}_s0"
             lines.append(f"| `{name}` | {m} | {value(name)} | {parity._fmt(_gap(name, 'sp41_ref_dp_s0'))} | "
                          f"{parity._fmt(_gap(name, f'sp41_ref_m{m}_dense4_s0'))} |")
@@ -401,7 +406,7 @@ def report(no_write, extra_args):
 
 
 def main(argv=None):
-    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4", "outer", "tune41", "refs41", "quant41", "topo41"), cells(), report, argv)
+    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4", "outer", "tune41", "refs41", "quant41", "topo41", "tiles41"), cells(), report, argv)
 
 
 if __name__ == "__main__":

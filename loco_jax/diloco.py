@@ -239,6 +239,25 @@ class Exchange(NamedTuple):
     sparse: sparse_lib.SparseConfig | None = None  # a top-k-per-chunk exchange (sparse_mean) instead of dense
     keep_unsent: bool = False  # the accumulator rides in the local parameters (sparse_mean, diloco(keep_unsent))
     average_over: str = "replicas"  # a sparse mean's divisor: "replicas" (M) or "senders" (sparse_mean)
+    chunks: str = "flat"  # a sparse exchange's chunks: "flat" (C values of the flat fragment) or "leaves" (tiles)
+
+    def tile_layout(self, shapes, d: int):
+        """The fragment's :class:`loco_jax.sparse.TileLayout` for ``d`` data devices (``chunks="leaves"``):
+        tiles of ``sqrt(C)`` per side, each slice a whole number of error blocks; None for flat chunks."""
+        if self.chunks != "leaves":
+            return None
+        return _tile_layout(tuple(tuple(s) for s in shapes), d, math.isqrt(self.sparse.chunk), self.cfg.block_size)
+
+    @staticmethod
+    def tiled(flat, layout):
+        """``flat`` (a fragment in extract order) in ``layout``'s tiled order, zeros at its padding."""
+        return layout.tiled(flat)
+
+    @staticmethod
+    def untiled(tiled, layout, size: int):
+        """Inverse of :meth:`tiled`: the fragment's ``size`` values in extract order."""
+        del size  # the layout's leaves hold it
+        return layout.untiled(tiled)
 
     def data_size(self) -> int:
         """``D``: the devices of ``data_axis`` bound in this ``shard_map`` (1 when none)."""
@@ -246,10 +265,13 @@ class Exchange(NamedTuple):
             return 1
         return coll.axis_size(self.data_axis)
 
-    def slice_len(self, size: int, d: int, m: int) -> int:
+    def slice_len(self, size: int, d: int, m: int, layout=None) -> int:
         """``k``: values of one data device's slice of a fragment of ``size`` values, a whole number of
         blocks per replica: ``max(round_up(ceil(size / d), u), u)``, ``u = B`` (``M B`` two-stage;
-        ``lcm(C, B)`` for a sparse exchange of chunk ``C``)."""
+        ``lcm(C, B)`` for a sparse exchange of chunk ``C``); with chunks that follow the leaves, the
+        ``layout``'s slice."""
+        if layout is not None:
+            return layout.slice_len
         if self.sparse is not None:  # whole chunks, and whole blocks of a quantized error buffer
             unit = math.lcm(self.sparse.chunk, self.cfg.block_size)
         else:
@@ -263,22 +285,23 @@ class Exchange(NamedTuple):
             return padded
         return lax.dynamic_slice(padded, (lax.axis_index(self.data_axis) * k,), (k,))
 
-    def gather_slices(self, mean_slice, size: int, d: int):
-        """The fragment's whole mean from every data device's fp32 slice."""
+    def gather_slices(self, mean_slice, size: int, d: int, layout=None):
+        """The fragment's whole mean from every data device's fp32 slice (in extract order)."""
         if d > 1:
             mean_slice = lax.all_gather(mean_slice, self.data_axis, axis=0, tiled=True, to="invarying")
-        return mean_slice[:size]
+        return mean_slice[:size] if layout is None else self.untiled(mean_slice, layout, size)
 
-    def gather_codes(self, codes, p: int, size: int, d: int):
+    def gather_codes(self, codes, p: int, size: int, d: int, layout=None):
         """The fragment's whole mean from every data device's exchanged payloads, gathered as codes and
         decoded here: the same bytes through the same decode as :meth:`gather_slices`' fp32 slices, so the
         same values, in ``M x bits / 32`` of the bytes (and a decode of the whole fragment on every device)."""
         gathered, finish = codes
         with jax.named_scope(APPLY_GATHER):  # names it in the compiled program (benchmarks/gpu_schedule.py)
             every = lax.all_gather(gathered, self.data_axis, axis=0, to="invarying")  # (d, M, payload bytes)
-        return self.cfg.rotate_out(jax.vmap(finish)(every), p).reshape(-1)[:size]
+        whole = self.cfg.rotate_out(jax.vmap(finish)(every), p).reshape(-1)
+        return whole[:size] if layout is None else self.untiled(whole, layout, size)
 
-    def mean(self, slice_f32, p: int, error=None, error_scale=None, never=False):
+    def mean(self, slice_f32, p: int, error=None, error_scale=None, never=False, layout=None):
         """The mean over replicas of this device's slice of fragment ``p``'s outer gradient
         (docs/algorithms.md, "6. DiLoCo and Streaming DiLoCo", the exchange)::
 
@@ -292,7 +315,7 @@ class Exchange(NamedTuple):
         of its own (it crosses replicas: a slow link).
         """
         if self.sparse is not None:
-            return self.sparse_mean(slice_f32, error, error_scale, never)
+            return self.sparse_mean(slice_f32, error, error_scale, never, layout)
         axis_name, cfg = self.axis_name, self.cfg
         m = coll.axis_size(axis_name)
         if self.bits is None:
@@ -315,7 +338,7 @@ class Exchange(NamedTuple):
                                     block_size=self.cfg.block_size, never=never)
         return mean, stored, (gathered, finish)
 
-    def sparse_mean(self, slice_f32, error=None, error_scale=None, never=False):
+    def sparse_mean(self, slice_f32, error=None, error_scale=None, never=False, layout=None):
         """The sparse exchange of this device's slice (docs/algorithms.md, "6. DiLoCo and Streaming DiLoCo",
         the sparse exchange)::
 
@@ -336,6 +359,8 @@ class Exchange(NamedTuple):
         the values' rounding), decayed by ``beta`` (1: plain error feedback; below 1 it also stands in for
         the outer momentum, SparseLoCo's rule: :func:`sparseloco_rule`); stored at ``error_bits`` (None:
         fp32). Returns what :meth:`mean` does (no rotation: ``codes``' finish gives the mean itself).
+        ``layout`` (chunks that follow the leaves): the slice is in its tiled order, each class of chunks
+        with its own ``k`` (:class:`loco_jax.sparse.TiledSparse`).
         """
         m = coll.axis_size(self.axis_name)
         if self.keep_unsent:  # the replica's parameters already hold beta e
@@ -343,14 +368,15 @@ class Exchange(NamedTuple):
         else:
             e = quant.load(error, error_scale, self.error_bits, block_size=self.cfg.block_size)[0]
             acc = loco_lib._rounded(self.error_beta * e, never) + slice_f32
-        payload, sent = self.sparse.encode(acc)
+        code = self.sparse if layout is None else _tiled_sparse(layout, self.sparse)
+        payload, sent = code.encode(acc)
         gathered = coll.on_own_stream(lambda: lax.all_gather(payload, self.axis_name, axis=0, to="invarying"))
 
-        def finish(g):  # (M, chunks, bytes) -> the mean of the M decoded slices
+        def finish(g):  # (M, ..., bytes) -> the mean of the M decoded slices
             if self.average_over == "senders":
-                values, held = self.sparse.decode(g, held=True)
+                values, held = code.decode(g, held=True)
                 return values.sum(axis=0) / jnp.maximum(held.sum(axis=0), 1.0)
-            return self.sparse.decode(g).sum(axis=0) / m
+            return code.decode(g).sum(axis=0) / m
 
         new = quant.store((acc - loco_lib._rounded(sent, never))[None], self.error_bits,
                           block_size=self.cfg.block_size)
@@ -380,6 +406,16 @@ def merge(plan, p, mean_delta, global_params, local, outer, outer_state, alpha, 
     mixed = jnp.where(delivered, mixed, local_flat)
     return (plan.insert(global_params, p, merged_flat), plan.insert(local, p, mixed),
             _select(delivered, new_outer, outer_state))
+
+
+@functools.lru_cache(maxsize=64)
+def _tile_layout(shapes, d, tile, align):
+    return sparse_lib.tile_layout(shapes, d, tile=tile, align=align)
+
+
+def _tiled_sparse(layout, cfg):
+    k = cfg.k / cfg.chunk  # the density the flat config was built with, k = round(density C)
+    return sparse_lib.tiled_sparse(layout, k, bits=cfg.bits, format=cfg.format)
 
 
 def relayout_inflight(inflight, sizes, fragment, old_mesh, new_mesh, slice_len):
@@ -415,6 +451,7 @@ SPARSE_FORMATS = {1: "int", 2: "uniform", 4: "int", 8: "int"}
 
 
 AVERAGE_OVER = ("replicas", "senders")  # diloco(average_over=): a sparse mean's divisor
+CHUNKS = ("flat", "leaves")  # diloco(chunks=): a sparse exchange's chunks
 
 
 def sparseloco_rule(lr: float = 1.0, beta: float = 0.95) -> dict:
@@ -485,6 +522,14 @@ def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, bet
                                rotate=rotate)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}.")
+
+
+def _sparse_choice(name, value, choices, density, meaning, why_not_dense):
+    """Refuses ``value`` outside ``choices`` and, with a dense exchange, anything but the first (the default)."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {choices}: {meaning}.")
+    if value != choices[0] and density is None:
+        raise ValueError(f"{name}={value!r} {why_not_dense}: set density, or {name}={choices[0]!r}.")
 
 
 def _validate_keep_unsent(keep_unsent, density, alpha, overlap):
@@ -563,7 +608,8 @@ class OuterLoop(NamedTuple):
         d, m = self.ex.data_size(), coll.axis_size(self.ex.axis_name)
         global_params = jax.tree.map(lambda x: lax.pmean(x, self.ex.axis_name), params)
         outer_states = tuple(self.outer.init(plan.select(global_params, p)) for p in range(self.num_fragments))
-        k = [self.ex.slice_len(s, d, m) for s in plan.fragment_sizes()]
+        layouts = self.layouts(plan, params, d)
+        k = [self.ex.slice_len(s, d, m, lay) for s, lay in zip(plan.fragment_sizes(), layouts)]
         device_axes = specs.manual_axes()
         # only tau >= 2 holds a mean across steps (1: orbax saves no empty array)
         held = max(k) if self.overlap >= 2 else 1
@@ -583,6 +629,15 @@ class OuterLoop(NamedTuple):
         return DiLoCoState(per_replica(self.inner.init(params), self.ex.axis_name), global_params, outer_states, zero,
                            skipped, inflight, error, error_scale, zero)
 
+    def layouts(self, plan, params, d):
+        """Each fragment's tile layout (chunks that follow the leaves; else Nones), from its pieces' shapes
+        as this device holds them (FSDP: its shards)."""
+        if self.ex.chunks != "leaves":
+            return [None] * self.num_fragments
+        shapes = [[x.shape for x in jax.eval_shape(lambda t, p=p: plan.select(t, p), params)]
+                  for p in range(self.num_fragments)]
+        return [self.ex.tile_layout(sh, d) for sh in shapes]
+
     def inner_step(self, grads, state, params, extra):
         """This replica's inner step, or none where its gradients or updates are non-finite."""
         own = jax.eval_shape(self.inner.init, params)  # the inner state's own shapes (scalars are stored as (1,))
@@ -600,6 +655,7 @@ class OuterLoop(NamedTuple):
         plan = self.plan_of(params)
         d, m = self.ex.data_size(), coll.axis_size(self.ex.axis_name)
         sizes = plan.fragment_sizes()
+        layouts = self.layouts(plan, params, d)
         local, inner_state, inner_ok = self.inner_step(grads, state, params, extra)
         global_params, outer_states = state.global_params, list(state.outer)
         inflight, error, error_scale = state.inflight, list(state.error), list(state.error_scale)
@@ -608,14 +664,16 @@ class OuterLoop(NamedTuple):
         mean_now = codes_now = restart = unsent = None
         if ph.send is not None:
             p = ph.send
-            k = self.ex.slice_len(sizes[p], d, m)
+            k = self.ex.slice_len(sizes[p], d, m, layouts[p])
             snapshot = local if self.overlap == 0 else params  # params of step t+1 are theta(t)
             snapshot_p = plan.extract(snapshot, p)
             # XLA:CPU: the exchange follows the inner step's collectives (on GPUs it overlaps them)
             delta = coll.after(plan.extract(global_params, p) - snapshot_p, local)
+            if layouts[p] is not None:  # chunks that follow the leaves: the slices are in tiled order
+                delta = self.ex.tiled(delta, layouts[p])
             stored_error = (error[p], error_scale[p]) if error else (None, None)
             mean_slice, stored, codes = self.ex.mean(self.ex.my_slice(delta, k, d), p, *stored_error,
-                                                     never=state.step < 0)
+                                                     never=state.step < 0, layout=layouts[p])
             if self.ex.keep_unsent and ph.apply == p:  # overlap <= 1: this program applies it (diloco's check)
                 unsent = (stored, snapshot_p)
             # the same on every replica: they all decoded the same payloads
@@ -630,7 +688,7 @@ class OuterLoop(NamedTuple):
 
         if ph.apply is not None:
             p = ph.apply
-            k = self.ex.slice_len(sizes[p], d, m)
+            k = self.ex.slice_len(sizes[p], d, m, layouts[p])
             mean_slice = mean_now if mean_now is not None else coll.after(inflight[:k], (local, dropped))
             # a dropped round (now, or at its send step): the fragment keeps its values
             delivered = replica_finite(mean_slice, self.ex.axis_name)
@@ -639,13 +697,15 @@ class OuterLoop(NamedTuple):
             # that gather follows the check across replicas.
             if d > 1 and codes_now is not None and codes_now[0].size < GATHER_CODES_BELOW * k:
                 gathered, finish = codes_now
-                mean_delta = self.ex.gather_codes((coll.after(gathered, delivered), finish), p, sizes[p], d)
+                mean_delta = self.ex.gather_codes((coll.after(gathered, delivered), finish), p, sizes[p], d,
+                                                  layouts[p])
             else:
-                mean_delta = self.ex.gather_slices(coll.after(mean_slice, delivered), sizes[p], d)
+                mean_delta = self.ex.gather_slices(coll.after(mean_slice, delivered), sizes[p], d, layouts[p])
             if unsent is not None:  # the replica's own unsent progress (keep_unsent); XLA:CPU: gathered after the mean
                 (held, held_scale), snapshot_p = unsent
                 held = quant.load(held, held_scale, self.ex.error_bits, block_size=self.ex.cfg.block_size)[0]
-                held = self.ex.gather_slices(coll.after(self.ex.error_beta * held, mean_delta), sizes[p], d)
+                held = self.ex.gather_slices(coll.after(self.ex.error_beta * held, mean_delta), sizes[p], d,
+                                             layouts[p])
                 restart = plan.extract(local, p) - snapshot_p - held
             global_params, local, outer_states[p] = merge(plan, p, mean_delta, global_params, local, self.outer,
                                                           outer_states[p], self.alpha, delivered, restart)
@@ -701,6 +761,7 @@ def diloco(
     error_decay: float | None = None,
     keep_unsent: bool = False,
     average_over: str = "replicas",
+    chunks: str = "flat",
 ) -> DiLoCo:
     """(Streaming) DiLoCo around ``inner``; see the module docstring for the maths.
 
@@ -754,13 +815,18 @@ def diloco(
         (each entry's sum / the number of replicas that sent it, as
         SparseLoCo's reference code aggregates; an entry one replica sent
         moves the mean by its whole value).
+      chunks: a sparse exchange's chunks, ``"flat"`` (every ``chunk`` values of
+        the flattened fragment, crossing leaves) or ``"leaves"`` (SparseLoCo's:
+        each matrix cut into tiles of ``sqrt(chunk)`` per side, at most, each
+        vector into pieces of at most ``sqrt(chunk)``, ``k`` scaled to each
+        chunk's size; :func:`loco_jax.sparse.tile_layout`).
     """
-    if average_over not in AVERAGE_OVER:
-        raise ValueError(f"average_over={average_over!r} must be one of {AVERAGE_OVER}: the sparse mean's divisor "
-                         f"(M replicas, or the replicas that sent each entry).")
-    if average_over != "replicas" and density is None:
-        raise ValueError(f"average_over={average_over!r} divides each entry by the replicas that sent it; a dense "
-                         f"exchange sends every entry from every replica: set density, or average_over='replicas'.")
+    _sparse_choice("average_over", average_over, AVERAGE_OVER, density,
+                   "the sparse mean's divisor (M replicas, or the replicas that sent each entry)",
+                   "divides each entry by the replicas that sent it; a dense exchange sends every entry from every "
+                   "replica")
+    _sparse_choice("chunks", chunks, CHUNKS, density, "the flat fragment's chunks, or tiles and pieces that follow "
+                   "its leaves", "cuts a sparse exchange's chunks; a dense exchange has none")
     sparse_cfg, format, compensate, rotate, error_decay, error_bits = _resolve_exchange(
         bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk, index_bits)
     if format in sparse_lib.SPARSE_FORMAT_BITS:  # the sparse payload's own (checked there); the dense parts' int
@@ -774,9 +840,12 @@ def diloco(
         raise ValueError("compensate=True compensates quantization error, but bits=None exchanges exact fp32; set bits.")
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    if chunks == "leaves" and math.isqrt(chunk) ** 2 != chunk:
+        raise ValueError(f"chunks='leaves' cuts tiles of sqrt(chunk) per side; chunk={chunk} is not a square "
+                         f"(e.g. 4096 = 64 x 64, or 1024).")
     ex = Exchange(axis_name, data_axis, bits, coll.QuantConfig(bits or 8, block_size, format, rotate, seed), mode,
                   compensate, error_beta if sparse_cfg is None else error_decay, error_bits, sparse_cfg, keep_unsent,
-                  average_over)
+                  average_over, chunks)
     schedule = dict(sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
 
     @functools.lru_cache(maxsize=8)
@@ -794,8 +863,14 @@ def diloco(
     tx.phase = functools.partial(phase, **schedule)
     tx.phases = functools.partial(schedule_phases, **schedule)
     tx.plan = plan_of
-    tx.relayout_inflight = lambda inflight, params, fragment, old_mesh, new_mesh: relayout_inflight(
-        inflight, plan_of(params).fragment_sizes(), fragment, old_mesh, new_mesh, ex.slice_len)
+    def relayout(inflight, params, fragment, old_mesh, new_mesh):
+        if chunks == "leaves":  # the tiled order differs per data size: not written yet
+            raise ValueError("an elastic restart that moves an in-flight mean across meshes is not supported with "
+                             "chunks='leaves' yet; finish the run on its mesh, or use chunks='flat'.")
+        return relayout_inflight(inflight, plan_of(params).fragment_sizes(), fragment, old_mesh, new_mesh,
+                                 ex.slice_len)
+
+    tx.relayout_inflight = relayout
     return tx
 
 

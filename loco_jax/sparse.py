@@ -29,6 +29,7 @@ import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from loco_jax import quant
@@ -98,6 +99,149 @@ def binmean_dequantize(codes, side):
     """The values of :func:`binmean_quantize`'s ``(codes, side)``: ``L[q] + mu`` per row."""
     table = side[..., 1:]
     return jnp.take_along_axis(table, codes.astype(jnp.int32), axis=-1) + side[..., :1]
+
+
+def largest_divisor(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is at most ``limit`` (1 for a prime ``n`` above it)."""
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+class TileLayout(NamedTuple):
+    """Chunks that follow the leaves (:func:`tile_layout`): a fragment's flat values reordered so that each
+    chunk is one 2-D tile of one matrix or one piece of one 1-D leaf, laid out per data device.
+
+    The tiled vector is ``devices`` slices of ``slice_len`` values, every slice laid out alike: for each
+    class ``(C, n)`` of ``classes``, ``n`` chunks of ``C`` values, then ``slice_len - sum C n`` padding.
+    ``leaf[d][c]``: per device ``d`` and class ``c``, each chunk's leaf (piece) index, -1 for a padding chunk
+    (for statistics per tensor). :meth:`tiled` and :meth:`untiled` reorder with reshapes, transposes and
+    pads; :meth:`permutation` is the same order as an index table (for tests: it is the fragment's size)."""
+
+    classes: tuple
+    slice_len: int
+    leaf: tuple
+    shapes: tuple  # the leaves' shapes (extract order)
+    tile: int
+    devices: int
+
+    def permutation(self) -> np.ndarray:
+        """``perm[t]``: the flat (extract-order) index of position ``t`` of the tiled vector, -1 for padding."""
+        n = sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+        if n >= 2**31 - 1:
+            raise ValueError(f"permutation() of a fragment of {n} values: int32 positions hold fewer than 2**31.")
+        return np.asarray(self.tiled(jnp.arange(1, n + 1, dtype=jnp.int32))).astype(np.int64) - 1
+
+    def tiled(self, flat):
+        """``flat`` (the fragment in extract order) in this layout's order, zeros at the padding: per-leaf
+        reshapes and transposes, concatenations and pads (no index table: ``perm`` is its reference)."""
+        devices = self.devices
+        by_size, at = {}, 0
+        for shape in self.shapes:
+            n = int(np.prod(shape, dtype=np.int64))
+            if n:
+                size, chunks = _tile(flat[at:at + n], tuple(shape), self.tile)
+                by_size.setdefault(size, []).append(chunks)
+            at += n
+        runs = []
+        for size, per in self.classes:
+            chunks = jnp.concatenate(by_size[size]) if len(by_size[size]) > 1 else by_size[size][0]
+            chunks = jnp.pad(chunks, ((0, per * devices - chunks.shape[0]), (0, 0)))
+            runs.append(chunks.reshape(devices, per * size))
+        used = sum(c * n for c, n in self.classes)
+        runs.append(jnp.zeros((devices, self.slice_len - used), flat.dtype))
+        return jnp.concatenate(runs, axis=1).reshape(-1)
+
+    def untiled(self, tiled):
+        """Inverse of :meth:`tiled`: the fragment in extract order."""
+        devices = self.devices
+        rows = tiled.reshape(devices, self.slice_len)
+        by_size, at = {}, 0
+        for size, per in self.classes:
+            by_size[size] = rows[:, at:at + per * size].reshape(devices * per, size)
+            at += per * size
+        taken = {size: 0 for size in by_size}
+        parts = []
+        for shape in self.shapes:
+            n = int(np.prod(shape, dtype=np.int64))
+            if not n:
+                continue
+            size, count = _tile_counts(tuple(shape), self.tile)
+            chunks = by_size[size][taken[size]:taken[size] + count]
+            taken[size] += count
+            parts.append(_untile(chunks, tuple(shape), self.tile))
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _tile_dims(shape, tile):
+    """``(batch, rows, th, cols, tw)`` of a matrix leaf (the last two axes), or ``(n, piece)`` of a vector."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if len(shape) >= 2:
+        rows, cols = int(shape[-2]), int(shape[-1])
+        return n // (rows * cols), rows, largest_divisor(rows, tile), cols, largest_divisor(cols, tile)
+    return n, largest_divisor(n, tile)
+
+
+def _tile_counts(shape, tile):
+    """``(chunk size, chunks)`` of one leaf."""
+    dims = _tile_dims(shape, tile)
+    if len(dims) == 5:
+        batch, rows, th, cols, tw = dims
+        return th * tw, batch * (rows // th) * (cols // tw)
+    n, piece = dims
+    return piece, n // piece
+
+
+def _tile(x, shape, tile):
+    """``(C, (chunks, C))``: one leaf's flat values cut into its tiles (or pieces), in chunk order."""
+    dims = _tile_dims(shape, tile)
+    if len(dims) == 5:
+        batch, rows, th, cols, tw = dims
+        t = x.reshape(batch, rows // th, th, cols // tw, tw).transpose(0, 1, 3, 2, 4)
+        return th * tw, t.reshape(-1, th * tw)
+    n, piece = dims
+    return piece, x.reshape(-1, piece)
+
+
+def _untile(chunks, shape, tile):
+    """Inverse of :func:`_tile`: the leaf's flat values."""
+    dims = _tile_dims(shape, tile)
+    if len(dims) == 5:
+        batch, rows, th, cols, tw = dims
+        t = chunks.reshape(batch, rows // th, cols // tw, th, tw).transpose(0, 1, 3, 2, 4)
+        return t.reshape(-1)
+    return chunks.reshape(-1)
+
+
+def tile_layout(shapes, devices: int = 1, *, tile: int = 64, align: int = 1) -> TileLayout:
+    """The :class:`TileLayout` of a fragment whose leaves (pieces, in extract order) have ``shapes``, for
+    ``devices`` data devices that each send one slice of it.
+
+    Each matrix (a leaf of 2 or more axes: the last two, per leading index) is cut into tiles of
+    ``a x b`` values, ``a`` and ``b`` the largest divisors of its sides that are at most ``tile``; each 1-D
+    leaf into pieces of the largest divisor of its length at most ``tile``. Chunks of one size form a
+    class (largest first, in leaf order within it); each class's chunks are dealt to the devices in
+    contiguous runs, padded with zero chunks to a multiple of ``devices``; each slice is padded to a
+    multiple of ``align`` (an error buffer's block). No chunk crosses a leaf, and the layout is static.
+    """
+    require_int("devices", devices, minimum=1)
+    require_int("tile", tile, minimum=1)
+    require_int("align", align, minimum=1)
+    shapes = tuple(tuple(int(d) for d in shape) for shape in shapes)
+    owners: dict[int, list] = {}
+    for leaf, shape in enumerate(shapes):
+        if int(np.prod(shape, dtype=np.int64)):
+            size, count = _tile_counts(shape, tile)
+            owners.setdefault(size, []).append(np.full(count, leaf))
+    classes, leaves = [], []
+    for size in sorted(owners, reverse=True):
+        owner = np.concatenate(owners[size])
+        per = -(-len(owner) // devices)
+        owner = np.concatenate([owner, np.full(per * devices - len(owner), -1)]).reshape(devices, per)
+        classes.append((size, per))
+        leaves.append(owner)
+    used = sum(c * n for c, n in classes)
+    slice_len = max(-(-used // align) * align, align)
+    leaf = tuple(tuple(owner[d] for owner in leaves) for d in range(devices))
+    return TileLayout(tuple(classes), slice_len, leaf, shapes, tile, devices)
 
 
 class SparseConfig(NamedTuple):
@@ -177,6 +321,68 @@ class SparseConfig(NamedTuple):
             values, unique_indices=True)
 
 
+class TiledSparse(NamedTuple):
+    """A top-k payload over a :class:`TileLayout`'s slice: one :class:`SparseConfig` per chunk class (its
+    ``k = max(1, round(density C))``, positions in ``ceil(log2 C)`` bits), the classes' payloads flattened
+    and concatenated into one static ``uint8`` vector; the slice's padding tail is not sent. Build it with
+    :func:`tiled_sparse`."""
+
+    classes: tuple  # ((C, n), ...): n chunks of C values per class, in slice order
+    configs: tuple  # one SparseConfig per class
+    slice_len: int
+
+    def payload_bytes(self) -> int:
+        return sum(n * sum(cfg.chunk_bytes()) for (_, n), cfg in zip(self.classes, self.configs))
+
+    def encode(self, x):
+        """``(payload (bytes,) uint8, sent (slice_len,) fp32)`` of one slice ``x``."""
+        payloads, sent, at = [], [], 0
+        for (size, n), cfg in zip(self.classes, self.configs):
+            payload, part = cfg.encode(x[at:at + size * n])
+            payloads.append(payload.reshape(-1))
+            sent.append(part)
+            at += size * n
+        sent.append(jnp.zeros((self.slice_len - at,), jnp.float32))
+        return jnp.concatenate(payloads), jnp.concatenate(sent)
+
+    def decode(self, payload, *, held=False):
+        """The dense slices ``(..., slice_len)`` of payloads ``(..., bytes)`` (``held``: also the indicator
+        of the positions each holds, as :meth:`SparseConfig.decode`)."""
+        lead = payload.shape[:-1]
+        values, marks, at = [], [], 0
+        for (size, n), cfg in zip(self.classes, self.configs):
+            width = n * sum(cfg.chunk_bytes())
+            out = cfg.decode(payload[..., at:at + width].reshape(*lead, n, -1), held=held)
+            at += width
+            values.append(out[0] if held else out)
+            if held:
+                marks.append(out[1])
+        used = sum(size * n for size, n in self.classes)
+        tail = jnp.zeros(lead + (self.slice_len - used,), jnp.float32)
+        dense = jnp.concatenate(values + [tail], axis=-1)
+        return (dense, jnp.concatenate(marks + [tail], axis=-1)) if held else dense
+
+
+def tiled_sparse(layout: TileLayout, density: float, *, bits: int = 2, format: str = "uniform") -> TiledSparse:
+    """The :class:`TiledSparse` payload of ``layout`` at ``density`` (in (0, 1)), values at ``bits`` in
+    ``format`` (checked as :func:`sparse_config` checks them; ``binmean`` needs every class's ``k >= 2``)."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density < 1.0:
+        raise ValueError(f"density={density!r} must lie in (0, 1): the fraction of each chunk's entries sent.")
+    configs = []
+    for size, _ in layout.classes:
+        k = min(max(1, round(density * size)), size)
+        if format in SPARSE_FORMAT_BITS:
+            if bits not in SPARSE_FORMAT_BITS[format]:
+                raise ValueError(f"format={format!r} takes bits in {SPARSE_FORMAT_BITS[format]}, not bits={bits!r}.")
+            if k < 2:
+                raise ValueError(f"format={format!r} needs k >= 2 per chunk, but a {size}-value chunk keeps {k} at "
+                                 f"density={density}.")
+        else:
+            quant.validate_format(bits, format)
+        configs.append(SparseConfig(size, k, bits, format, max(1, math.ceil(math.log2(size)))))
+    return TiledSparse(layout.classes, tuple(configs), layout.slice_len)
+
+
 def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, format: quant.Format = "int",
                   index_bits: int | None = None) -> SparseConfig:
     """A checked :class:`SparseConfig`: ``k = round(density C)`` entries of every ``C = chunk`` values.
@@ -214,5 +420,6 @@ def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, 
     return SparseConfig(chunk, k, bits, format, index_bits)
 
 
-__all__ = ["DEFAULT_CHUNK", "SPARSE_FORMAT_BITS", "SparseConfig", "binmean_dequantize", "binmean_quantize",
+__all__ = ["DEFAULT_CHUNK", "SPARSE_FORMAT_BITS", "SparseConfig", "TileLayout", "TiledSparse", "largest_divisor",
+           "tile_layout", "tiled_sparse", "binmean_dequantize", "binmean_quantize",
            "pack_bits", "sparse_config", "unpack_bits"]

@@ -1,6 +1,7 @@
 """The sparse payload (loco_jax.sparse) and DiLoCo's sparse outer exchange, against NumPy re-derivations."""
 
 import json
+import re
 
 import chex
 import jax
@@ -267,20 +268,41 @@ def test_average_over_is_refused_by_name(kwargs, match):
         diloco.diloco(optax.sgd(0.1), sync_every=4, **kwargs)
 
 
-def test_diloco_sparse_sends_uint8_chunks_and_moves_each_fragment_by_at_most_m_k_entries_per_chunk(mesh):
-    """End to end (H = 6, 3 fragments, overlap 1, SparseLoCo's rule: plain SGD at lr 1 on the mean): only
-    uint8 crosses ``replica``, in the bytes of the slice's chunks, and each apply moves a fragment's global
-    parameters by the decoded mean, which has at most M k non-zeros per chunk."""
-    width = 512
-    rule = diloco.sparseloco_rule(lr=1.0, beta=0.95)
+def _sparse_run(mesh, width, **kwargs):
+    """A sparse Streaming DiLoCo run on the (2, 4) mesh (H = 6, 3 fragments, overlap 1, SparseLoCo's rule,
+    1/64 of 256-value chunks at 2 bits) and its exchange step's collectives over ``replica`` (asserted
+    uint8): ``(tx, run, xs, ys, ops over replica, report)``."""
     tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=1, bits=2, density=1 / 64, chunk=256,
-                       **rule)
+                       **diloco.sparseloco_rule(lr=1.0, beta=0.95), **kwargs)
     run = Run(mesh, tx, width=width)
     xs, ys = make_data(9)
     x0, y0 = put(mesh, xs[0], P(DEVICES)), put(mesh, ys[0], P(DEVICES))
     report = hlo.collective_bytes(run.program(tx.phase(7)).lower(run.params, run.state, x0, y0).compile())
     over_replica = [op for op in report.ops if op.group_size == M]
     assert over_replica and {op.dtype for op in over_replica} == {"u8"}, report.table()
+    return tx, run, xs, ys, over_replica, report
+
+
+def _fragment_0_moved_by_its_apply(run, plan, xs, ys):
+    """Steps 1-9 of ``run`` (H = 6, 3 fragments, overlap 1): how fragment 0's global parameters moved from
+    step 7 (its send) to step 9 (after its apply), in extract order; asserted non-zero."""
+    before = None
+    for t in range(1, 10):
+        if t == 7:
+            before = np.asarray(plan.extract(diloco.global_params(run.state), 0))
+        run.step(t, xs[t - 1], ys[t - 1])
+    moved = np.asarray(plan.extract(diloco.global_params(run.state), 0)) - before
+    assert np.count_nonzero(moved) > 0
+    return moved
+
+
+def test_diloco_sparse_sends_uint8_chunks_and_moves_each_fragment_by_at_most_m_k_entries_per_chunk(mesh):
+    """End to end (H = 6, 3 fragments, overlap 1, SparseLoCo's rule: plain SGD at lr 1 on the mean): only
+    uint8 crosses ``replica``, in the bytes of the slice's chunks, and each apply moves a fragment's global
+    parameters by the decoded mean, which has at most M k non-zeros per chunk."""
+    width = 512
+    tx, run, xs, ys, over_replica, report = _sparse_run(mesh, width)
+    x0, y0 = put(mesh, xs[0], P(DEVICES)), put(mesh, ys[0], P(DEVICES))
     plan = tx.plan(make_params(width=width))
     size0 = plan.fragment_sizes()[0]
     k = -(-size0 // D // 256) * 256
@@ -289,13 +311,7 @@ def test_diloco_sparse_sends_uint8_chunks_and_moves_each_fragment_by_at_most_m_k
     quiet = hlo.collective_bytes(run.program(tx.phase(2)).lower(run.params, run.state, x0, y0).compile())
     assert not [op for op in quiet.ops if op.group_size == M]
 
-    before = None
-    for t in range(1, 10):
-        if t == 7:
-            before = np.asarray(plan.extract(diloco.global_params(run.state), 0))
-        run.step(t, xs[t - 1], ys[t - 1])
-    moved = np.asarray(plan.extract(diloco.global_params(run.state), 0)) - before
-    assert np.count_nonzero(moved) > 0
+    moved = _fragment_0_moved_by_its_apply(run, plan, xs, ys)
     padded = np.pad(moved, (0, k * D - moved.size)).reshape(-1, 256)
     assert np.count_nonzero(padded, axis=1).max() <= M * cfg.k
     # error buffers: fp32, one per fragment, changed by fragment 0's round and fragment 1's (step 9)
@@ -396,3 +412,155 @@ def test_keep_unsent_sends_the_whole_displacement_and_restarts_each_replica_besi
     for r in range(M):
         want = new_global - beta * error[r].reshape(-1)[:size] + stepped[r] - snapshot[r]
         np.testing.assert_allclose(np.asarray(plan.extract(local(run.params, r), 0)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_tile_layout_cuts_each_matrix_into_tiles_and_each_vector_into_pieces_per_device():
+    """A fragment of a (128, 192) matrix, a stacked (2, 96, 64) one, a 128-vector and a 7-vector, for 2
+    devices: tiles of 64 x 64 and 48 x 64 (48: 96's largest divisor <= 64), pieces of 64 and of 7; every
+    flat index exactly once, each chunk one rectangle of one leaf (or a run of one vector), the classes
+    alike on both devices, padding where a class does not split evenly."""
+    shapes = [(128, 192), (2, 96, 64), (128,), (7,)]
+    layout = sparse.tile_layout(shapes, devices=2, align=256)
+    sizes = [int(np.prod(s)) for s in shapes]
+    starts = np.cumsum([0] + sizes)
+    assert sparse.largest_divisor(96, 64) == 48 and sparse.largest_divisor(7, 64) == 7
+    # (128, 192): 2 x 3 tiles of 4096; (2, 96, 64): 2 x 2 tiles of 48 x 64 = 3072; 2 pieces of 64; 1 of 7
+    assert layout.classes == ((4096, 3), (3072, 2), (64, 1), (7, 1))
+    used = 4096 * 3 + 3072 * 2 + 64 + 7
+    assert layout.slice_len == -(-used // 256) * 256 and layout.permutation().shape == (2 * layout.slice_len,)
+    perm = layout.permutation()
+    real = perm[perm >= 0]
+    np.testing.assert_array_equal(np.sort(real), np.arange(sum(sizes)))  # a permutation, padding apart
+    flat = np.arange(sum(sizes))
+    for d in range(2):
+        part = perm[d * layout.slice_len:(d + 1) * layout.slice_len]
+        at = 0
+        for c, (size, n) in enumerate(layout.classes):
+            chunks = part[at:at + size * n].reshape(n, size)
+            at += size * n
+            for j, chunk in enumerate(chunks):
+                owner = layout.leaf[d][c][j]
+                if owner < 0:
+                    assert (chunk == -1).all()
+                    continue
+                assert ((chunk >= starts[owner]) & (chunk < starts[owner + 1])).all()  # one leaf
+                local = np.unravel_index(flat[chunk] - starts[owner], shapes[owner])
+                if len(shapes[owner]) >= 2:  # one rectangle of one matrix, in row-major order
+                    rows, cols = local[-2], local[-1]
+                    h, w = len(set(rows)), len(set(cols))
+                    assert h * w == size and len(set(zip(*local[:-2]))) <= 1
+                    want = np.repeat(np.arange(rows.min(), rows.min() + h), w).reshape(h, w)
+                    np.testing.assert_array_equal(rows.reshape(h, w), want)
+                else:
+                    np.testing.assert_array_equal(np.diff(local[0]), 1)  # a contiguous piece
+        assert (part[at:] == -1).all()
+
+
+def test_tile_layout_refuses_bad_arguments_by_name():
+    with pytest.raises(ValueError, match="devices=0 must be a positive integer"):
+        sparse.tile_layout([(4, 4)], devices=0)
+    with pytest.raises(ValueError, match="tile=0 must be a positive integer"):
+        sparse.tile_layout([(4, 4)], tile=0)
+
+
+def test_a_tiled_payload_keeps_each_chunks_top_k_with_k_scaled_to_the_chunk():
+    """Over a layout's slice: each class's chunks keep their own k = max(1, round(density C)) (64 x 64 tiles
+    123 of 4096 at 3 %, 64-pieces 2, the 7-piece 1), decode to what was sent (NumPy top-k per chunk, the
+    values through the same quantizer), positions held where sent, the padding tail zero and not sent."""
+    layout = sparse.tile_layout([(128, 192), (128,), (7,)], devices=1, align=256)
+    tiled = sparse.tiled_sparse(layout, 0.03, bits=2, format="uniform")
+    assert [cfg.k for cfg in tiled.configs] == [123, 2, 1]
+    assert [cfg.index_bits for cfg in tiled.configs] == [12, 6, 3]
+    x = distinct(layout.slice_len, seed=4)
+    x[sum(c * n for c, n in layout.classes):] = 0.0  # the padding holds zeros
+    payload, sent = tiled.encode(jnp.asarray(x))
+    assert payload.dtype == jnp.uint8 and payload.shape == (tiled.payload_bytes(),)
+    values, held = tiled.decode(jnp.stack([payload, payload]), held=True)
+    np.testing.assert_array_equal(np.asarray(values[1]), np.asarray(sent))
+    at = 0
+    for (size, n), cfg in zip(layout.classes, tiled.configs):
+        part = x[at:at + size * n]
+        np.testing.assert_allclose(np.asarray(sent[at:at + size * n]), numpy_sparse(part, cfg), rtol=1e-6)
+        assert int(np.asarray(held[0, at:at + size * n]).sum()) == cfg.k * n
+        at += size * n
+    assert not np.asarray(sent[at:]).any() and not np.asarray(held[0, at:]).any()
+
+
+def test_diloco_sparse_with_chunks_that_follow_the_leaves_sends_each_tiles_top_k(mesh):
+    """``chunks="leaves"`` end to end (H = 6, 3 fragments, overlap 1, SparseLoCo's rule, 16 x 16 tiles): the
+    bytes over ``replica`` are the tiled payload's, and each apply moves every tile of fragment 0 (read
+    in extract order, back through the layout) in at most M k of its entries."""
+    width = 512
+    tx, run, xs, ys, over_replica, report = _sparse_run(mesh, width, chunks="leaves")
+    params = make_params(width=width)
+    plan = tx.plan(params)
+    shapes = [x.shape for x in plan.select(params, 0)]
+    layout = sparse.tile_layout(shapes, D, tile=16, align=256)
+    tiled = sparse.tiled_sparse(layout, 1 / 64, bits=2, format=diloco.SPARSE_FORMATS[2])
+    assert sum(op.total_bytes for op in over_replica) == (M - 1) * tiled.payload_bytes(), report.table()
+    moved = _fragment_0_moved_by_its_apply(run, plan, xs, ys)
+    in_tiles = np.asarray(layout.tiled(jnp.asarray(moved))).reshape(D, -1)
+    for d in range(D):
+        at = 0
+        for (size, n), cfg in zip(layout.classes, tiled.configs):
+            chunks = in_tiles[d, at:at + size * n].reshape(n, size)
+            assert np.count_nonzero(chunks, axis=1).max() <= M * cfg.k, (size, cfg.k)
+            at += size * n
+
+
+def test_chunks_that_follow_the_leaves_are_refused_where_they_cannot_apply():
+    with pytest.raises(ValueError, match="chunks='tiles' must be one of"):
+        diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, density=0.03, chunks="tiles")
+    with pytest.raises(ValueError, match="a dense exchange has none: set density"):
+        diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, chunks="leaves")
+    with pytest.raises(ValueError, match="chunk=512 is not a square"):
+        diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, density=0.03, chunk=512, chunks="leaves")
+
+
+def numpy_tile_order(shapes, devices, tile, slice_len):
+    """The tiled order by index arithmetic: each leaf's chunks (``np.arange`` reshaped into its tiles, or
+    pieces), grouped by size (largest first, leaf order within), dealt to the devices in runs with -1
+    chunks for padding, each slice padded with -1 to ``slice_len``."""
+    by_size, offset = {}, 0
+    for shape in shapes:
+        n = int(np.prod(shape))
+        idx = np.arange(n) + offset
+        offset += n
+        if not n:
+            continue
+        if len(shape) >= 2:
+            rows, cols = shape[-2], shape[-1]
+            th, tw = sparse.largest_divisor(rows, tile), sparse.largest_divisor(cols, tile)
+            chunks = idx.reshape(-1, rows // th, th, cols // tw, tw).transpose(0, 1, 3, 2, 4).reshape(-1, th * tw)
+        else:
+            piece = sparse.largest_divisor(n, tile)
+            chunks = idx.reshape(-1, piece)
+        by_size.setdefault(chunks.shape[1], []).append(chunks)
+    rows = [[] for _ in range(devices)]
+    for size in sorted(by_size, reverse=True):
+        chunks = np.concatenate(by_size[size])
+        per = -(-len(chunks) // devices)
+        chunks = np.concatenate([chunks, np.full((per * devices - len(chunks), size), -1)])
+        for d in range(devices):
+            rows[d].append(chunks[d * per:(d + 1) * per].reshape(-1))
+    return np.concatenate([np.pad(np.concatenate(r), (0, slice_len - sum(len(x) for x in r)), constant_values=-1)
+                           for r in rows])
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_tiled_and_untiled_follow_the_index_arithmetic_without_an_index_table(devices):
+    """``TileLayout.tiled`` (reshapes, transposes, pads) puts the fragment where the index arithmetic says
+    (``numpy_tile_order``), zeros at the padding, and ``untiled`` gives it back exactly; its program holds
+    no integer array (a gather through an index table of the fragment's size would)."""
+    shapes = [(128, 192), (2, 96, 64), (128,), (7,), (0,), (5, 3)]
+    layout = sparse.tile_layout(shapes, devices=devices, align=256)
+    n = sum(int(np.prod(s)) for s in shapes)
+    flat = distinct(n, seed=5)
+    order = numpy_tile_order(shapes, devices, 64, layout.slice_len)
+    np.testing.assert_array_equal(layout.permutation(), order)
+    want = np.where(order >= 0, flat[np.maximum(order, 0)], 0.0)
+    got = np.asarray(jax.jit(layout.tiled)(jnp.asarray(flat)))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(layout.untiled)(jnp.asarray(got))), flat)
+    text = jax.jit(layout.tiled).lower(jnp.asarray(flat)).as_text()
+    assert not re.findall(r"tensor<\d+xi\d+>", text)  # no integer array at all (a take through perm has one)

@@ -167,6 +167,9 @@ class DilocoFields:
     # the sparse mean of each entry: over the M "replicas" (unsent entries count as zeros) or over the
     # "senders" (the replicas whose payload holds it, as SparseLoCo's code averages; diloco.diloco(average_over)).
     average_over: str = "replicas"
+    # a sparse exchange's chunks: "flat" (every `chunk` values of the flattened fragment) or "leaves" (tiles of
+    # sqrt(chunk) per side of each matrix, pieces of each vector, k scaled to each; diloco.diloco(chunks))
+    chunks: str = "flat"
 
 
 @dataclasses.dataclass

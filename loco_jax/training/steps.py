@@ -130,7 +130,7 @@ def make_optimizer(cfg: config_lib.Config, shard_dims=None, norm_dims=None, grou
         alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, rotate=d.rotate, mode=d.mode,
         block_size=d.block_size, preset=d.preset, seed=cfg.seed, data_axis=None if sharded else "data",
         density=d.density, chunk=d.chunk, error_decay=d.error_decay, keep_unsent=d.keep_unsent,
-        average_over=d.average_over,
+        average_over=d.average_over, chunks=d.chunks,
     )
 
 

@@ -109,17 +109,16 @@ def after(tree, previous):
     if not leaves:
         return tree
     axes = varying_axes(leaves[0])
-    prev, lone = [], []
+    prev, lone = [], {}  # lone: position in prev -> the axes of one device its head is summed over
     for p in jax.tree.leaves(previous):
         extra = varying_axes(p) - axes
-        if not extra:
-            prev.append(p)
-        elif all(axis_size(a) == 1 for a in extra):
-            prev.append(p)
-            lone.append((len(prev) - 1, tuple(sorted(extra))))
+        if extra and any(axis_size(a) != 1 for a in extra):
+            continue
+        if extra:
+            lone[len(prev)] = tuple(sorted(extra))
+        prev.append(p)
     if not prev:
         return tree
-    lone = dict(lone)
 
     def chained(first, *prev):
         heads = [p.reshape(-1)[0].astype(jnp.float32) for p in prev]

@@ -248,17 +248,6 @@ class Exchange(NamedTuple):
             return None
         return _tile_layout(tuple(tuple(s) for s in shapes), d, math.isqrt(self.sparse.chunk), self.cfg.block_size)
 
-    @staticmethod
-    def tiled(flat, layout):
-        """``flat`` (a fragment in extract order) in ``layout``'s tiled order, zeros at its padding."""
-        return layout.tiled(flat)
-
-    @staticmethod
-    def untiled(tiled, layout, size: int):
-        """Inverse of :meth:`tiled`: the fragment's ``size`` values in extract order."""
-        del size  # the layout's leaves hold it
-        return layout.untiled(tiled)
-
     def data_size(self) -> int:
         """``D``: the devices of ``data_axis`` bound in this ``shard_map`` (1 when none)."""
         if self.data_axis is None or self.data_axis not in specs.manual_axes():
@@ -289,7 +278,7 @@ class Exchange(NamedTuple):
         """The fragment's whole mean from every data device's fp32 slice (in extract order)."""
         if d > 1:
             mean_slice = lax.all_gather(mean_slice, self.data_axis, axis=0, tiled=True, to="invarying")
-        return mean_slice[:size] if layout is None else self.untiled(mean_slice, layout, size)
+        return mean_slice[:size] if layout is None else layout.untiled(mean_slice)
 
     def gather_codes(self, codes, p: int, size: int, d: int, layout=None):
         """The fragment's whole mean from every data device's exchanged payloads, gathered as codes and
@@ -299,7 +288,7 @@ class Exchange(NamedTuple):
         with jax.named_scope(APPLY_GATHER):  # names it in the compiled program (benchmarks/gpu_schedule.py)
             every = lax.all_gather(gathered, self.data_axis, axis=0, to="invarying")  # (d, M, payload bytes)
         whole = self.cfg.rotate_out(jax.vmap(finish)(every), p).reshape(-1)
-        return whole[:size] if layout is None else self.untiled(whole, layout, size)
+        return whole[:size] if layout is None else layout.untiled(whole)
 
     def mean(self, slice_f32, p: int, error=None, error_scale=None, never=False, layout=None):
         """The mean over replicas of this device's slice of fragment ``p``'s outer gradient
@@ -670,7 +659,7 @@ class OuterLoop(NamedTuple):
             # XLA:CPU: the exchange follows the inner step's collectives (on GPUs it overlaps them)
             delta = coll.after(plan.extract(global_params, p) - snapshot_p, local)
             if layouts[p] is not None:  # chunks that follow the leaves: the slices are in tiled order
-                delta = self.ex.tiled(delta, layouts[p])
+                delta = layouts[p].tiled(delta)
             stored_error = (error[p], error_scale[p]) if error else (None, None)
             mean_slice, stored, codes = self.ex.mean(self.ex.my_slice(delta, k, d), p, *stored_error,
                                                      never=state.step < 0, layout=layouts[p])
@@ -827,6 +816,9 @@ def diloco(
                    "replica")
     _sparse_choice("chunks", chunks, CHUNKS, density, "the flat fragment's chunks, or tiles and pieces that follow "
                    "its leaves", "cuts a sparse exchange's chunks; a dense exchange has none")
+    if chunks == "leaves" and math.isqrt(chunk) ** 2 != chunk:
+        raise ValueError(f"chunks='leaves' cuts tiles of sqrt(chunk) per side; chunk={chunk} is not a square "
+                         f"(e.g. 4096 = 64 x 64, or 1024).")
     sparse_cfg, format, compensate, rotate, error_decay, error_bits = _resolve_exchange(
         bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk, index_bits)
     if format in sparse_lib.SPARSE_FORMAT_BITS:  # the sparse payload's own (checked there); the dense parts' int
@@ -840,9 +832,6 @@ def diloco(
         raise ValueError("compensate=True compensates quantization error, but bits=None exchanges exact fp32; set bits.")
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
-    if chunks == "leaves" and math.isqrt(chunk) ** 2 != chunk:
-        raise ValueError(f"chunks='leaves' cuts tiles of sqrt(chunk) per side; chunk={chunk} is not a square "
-                         f"(e.g. 4096 = 64 x 64, or 1024).")
     ex = Exchange(axis_name, data_axis, bits, coll.QuantConfig(bits or 8, block_size, format, rotate, seed), mode,
                   compensate, error_beta if sparse_cfg is None else error_decay, error_bits, sparse_cfg, keep_unsent,
                   average_over, chunks)
@@ -863,6 +852,7 @@ def diloco(
     tx.phase = functools.partial(phase, **schedule)
     tx.phases = functools.partial(schedule_phases, **schedule)
     tx.plan = plan_of
+
     def relayout(inflight, params, fragment, old_mesh, new_mesh):
         if chunks == "leaves":  # the tiled order differs per data size: not written yet
             raise ValueError("an elastic restart that moves an in-flight mean across meshes is not supported with "

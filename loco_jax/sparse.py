@@ -143,7 +143,7 @@ class TileLayout(NamedTuple):
             at += n
         runs = []
         for size, per in self.classes:
-            chunks = jnp.concatenate(by_size[size]) if len(by_size[size]) > 1 else by_size[size][0]
+            chunks = jnp.concatenate(by_size[size])
             chunks = jnp.pad(chunks, ((0, per * devices - chunks.shape[0]), (0, 0)))
             runs.append(chunks.reshape(devices, per * size))
         used = sum(c * n for c, n in self.classes)
@@ -168,47 +168,36 @@ class TileLayout(NamedTuple):
             chunks = by_size[size][taken[size]:taken[size] + count]
             taken[size] += count
             parts.append(_untile(chunks, tuple(shape), self.tile))
-        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        return jnp.concatenate(parts)
 
 
 def _tile_dims(shape, tile):
-    """``(batch, rows, th, cols, tw)`` of a matrix leaf (the last two axes), or ``(n, piece)`` of a vector."""
+    """``(batch, rows, th, cols, tw)``: a matrix leaf (its last two axes) as ``batch`` matrices of
+    ``rows x cols`` cut into ``th x tw`` tiles; a vector (or scalar) as one row cut into pieces of ``tw``."""
     n = int(np.prod(shape, dtype=np.int64))
     if len(shape) >= 2:
         rows, cols = int(shape[-2]), int(shape[-1])
         return n // (rows * cols), rows, largest_divisor(rows, tile), cols, largest_divisor(cols, tile)
-    return n, largest_divisor(n, tile)
+    return 1, 1, 1, n, largest_divisor(n, tile)
 
 
 def _tile_counts(shape, tile):
     """``(chunk size, chunks)`` of one leaf."""
-    dims = _tile_dims(shape, tile)
-    if len(dims) == 5:
-        batch, rows, th, cols, tw = dims
-        return th * tw, batch * (rows // th) * (cols // tw)
-    n, piece = dims
-    return piece, n // piece
+    batch, rows, th, cols, tw = _tile_dims(shape, tile)
+    return th * tw, batch * (rows // th) * (cols // tw)
 
 
 def _tile(x, shape, tile):
     """``(C, (chunks, C))``: one leaf's flat values cut into its tiles (or pieces), in chunk order."""
-    dims = _tile_dims(shape, tile)
-    if len(dims) == 5:
-        batch, rows, th, cols, tw = dims
-        t = x.reshape(batch, rows // th, th, cols // tw, tw).transpose(0, 1, 3, 2, 4)
-        return th * tw, t.reshape(-1, th * tw)
-    n, piece = dims
-    return piece, x.reshape(-1, piece)
+    batch, rows, th, cols, tw = _tile_dims(shape, tile)
+    t = x.reshape(batch, rows // th, th, cols // tw, tw).transpose(0, 1, 3, 2, 4)
+    return th * tw, t.reshape(-1, th * tw)
 
 
 def _untile(chunks, shape, tile):
     """Inverse of :func:`_tile`: the leaf's flat values."""
-    dims = _tile_dims(shape, tile)
-    if len(dims) == 5:
-        batch, rows, th, cols, tw = dims
-        t = chunks.reshape(batch, rows // th, cols // tw, th, tw).transpose(0, 1, 3, 2, 4)
-        return t.reshape(-1)
-    return chunks.reshape(-1)
+    batch, rows, th, cols, tw = _tile_dims(shape, tile)
+    return chunks.reshape(batch, rows // th, cols // tw, th, tw).transpose(0, 1, 3, 2, 4).reshape(-1)
 
 
 def tile_layout(shapes, devices: int = 1, *, tile: int = 64, align: int = 1) -> TileLayout:
@@ -366,21 +355,32 @@ class TiledSparse(NamedTuple):
 def tiled_sparse(layout: TileLayout, density: float, *, bits: int = 2, format: str = "uniform") -> TiledSparse:
     """The :class:`TiledSparse` payload of ``layout`` at ``density`` (in (0, 1)), values at ``bits`` in
     ``format`` (checked as :func:`sparse_config` checks them; ``binmean`` needs every class's ``k >= 2``)."""
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density < 1.0:
-        raise ValueError(f"density={density!r} must lie in (0, 1): the fraction of each chunk's entries sent.")
+    _check_density(density)
     configs = []
     for size, _ in layout.classes:
         k = min(max(1, round(density * size)), size)
-        if format in SPARSE_FORMAT_BITS:
-            if bits not in SPARSE_FORMAT_BITS[format]:
-                raise ValueError(f"format={format!r} takes bits in {SPARSE_FORMAT_BITS[format]}, not bits={bits!r}.")
-            if k < 2:
-                raise ValueError(f"format={format!r} needs k >= 2 per chunk, but a {size}-value chunk keeps {k} at "
-                                 f"density={density}.")
-        else:
-            quant.validate_format(bits, format)
+        _check_values(bits, format, k, size)
         configs.append(SparseConfig(size, k, bits, format, max(1, math.ceil(math.log2(size)))))
     return TiledSparse(layout.classes, tuple(configs), layout.slice_len)
+
+
+def _check_density(density):
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density < 1.0:
+        raise ValueError(f"density={density!r} must lie in (0, 1): the fraction of each chunk's entries sent.")
+
+
+def _check_values(bits, format, k, chunk):
+    """The kept values' format at ``bits``: one of :mod:`loco_jax.quant`'s, or a sparse-only one (which also
+    needs ``k >= 2`` of each ``chunk`` values for its statistics)."""
+    if format not in SPARSE_FORMAT_BITS:
+        quant.validate_format(bits, format)
+        return
+    if bits not in SPARSE_FORMAT_BITS[format]:
+        raise ValueError(f"format={format!r} takes bits in {SPARSE_FORMAT_BITS[format]} (its {BINMEAN_BINS} "
+                         f"bins), not bits={bits!r}.")
+    if k < 2:
+        raise ValueError(f"format={format!r} keeps k = {k} entry per chunk; its statistics need k >= 2: use a "
+                         f"density >= {2 / chunk:.3g} for chunk={chunk}.")
 
 
 def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, format: quant.Format = "int",
@@ -392,8 +392,7 @@ def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, 
     needs ``k >= 2`` for its standard deviation); ``index_bits`` (None: ``log2 C``) wide enough for a
     position in the chunk, at most 32.
     """
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density < 1.0:
-        raise ValueError(f"density={density!r} must lie in (0, 1): the fraction of each chunk's entries sent.")
+    _check_density(density)
     require_int("chunk", chunk, "a power of two >= 2", minimum=2)
     if chunk & (chunk - 1):
         raise ValueError(f"chunk={chunk} must be a power of two (e.g. {1 << (chunk.bit_length() - 1)} or "
@@ -403,15 +402,7 @@ def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, 
         raise ValueError(f"density={density} keeps k = round({density} x {chunk}) = {k} entries of a "
                          f"{chunk}-entry chunk; k must lie in [1, {chunk - 1}]: use a density in "
                          f"[{1 / chunk:.3g}, {(chunk - 1) / chunk:.6g}] or another chunk.")
-    if format in SPARSE_FORMAT_BITS:
-        if bits not in SPARSE_FORMAT_BITS[format]:
-            raise ValueError(f"format={format!r} takes bits in {SPARSE_FORMAT_BITS[format]} (its {BINMEAN_BINS} "
-                             f"bins), not bits={bits!r}.")
-        if k < 2:
-            raise ValueError(f"format={format!r} keeps k = {k} entry per chunk; its statistics need k >= 2: use a "
-                             f"density >= {2 / chunk:.3g} for chunk={chunk}.")
-    else:
-        quant.validate_format(bits, format)
+    _check_values(bits, format, k, chunk)
     need = int(math.log2(chunk))
     index_bits = need if index_bits is None else index_bits
     if not is_int(index_bits) or not need <= index_bits <= 32:

@@ -407,9 +407,7 @@ def validate(cfg: Config):
             raise ValueError(f"{section}.preset={node.preset!r} must be one of {lib.PRESETS}.")
         fmt = node.format
         if fmt is not None:
-            from loco_jax import quant
-
-            from loco_jax import sparse
+            from loco_jax import quant, sparse
 
             known = quant.FORMATS + (tuple(sparse.SPARSE_FORMAT_BITS) if section == "diloco" else ())
             if fmt not in known:

@@ -287,7 +287,7 @@ class Exchange(NamedTuple):
         gathered, finish = codes
         with jax.named_scope(APPLY_GATHER):  # names it in the compiled program (benchmarks/gpu_schedule.py)
             every = lax.all_gather(gathered, self.data_axis, axis=0, to="invarying")  # (d, M, payload bytes)
-        whole = self.cfg.rotate_out(jax.vmap(finish)(every), p).reshape(-1)
+        whole = self.cfg.rotate_out(jax.vmap(finish)(every, jnp.arange(d)), p).reshape(-1)
         return whole[:size] if layout is None else layout.untiled(whole)
 
     def mean(self, slice_f32, p: int, error=None, error_scale=None, never=False, layout=None):
@@ -298,7 +298,8 @@ class Exchange(NamedTuple):
             e_p = Q_e(beta e_p + (1 - beta)(h - DQ(Q_b(h))))
 
         Returns ``(mean slice, new stored error or None, codes or None)``; ``codes`` is ``(gathered
-        payloads, finish)`` with ``rotate_out(finish(gathered)) == mean slice``, for :meth:`gather_codes`.
+        payloads, finish)`` with ``rotate_out(finish(gathered, j)) == mean slice`` on data device ``j``, for
+        :meth:`gather_codes`.
         ``error``/``error_scale``: fragment ``p``'s stored error (with ``compensate``); ``never``: a traced
         false flag (:func:`loco_jax.loco.error_feedback`). On GPUs the exchange asks for a collective stream
         of its own (it crosses replicas: a slow link).
@@ -315,11 +316,11 @@ class Exchange(NamedTuple):
         h = cfg.rotate_in(slice_f32[None], p)[0] + e  # with rotate, the error lives in fragment p's rotated domain
         if self.mode == "all_gather":
             _, sent, gathered = coll.all_gather_sum(h[None], axis_name, cfg, own_stream=True, with_payloads=True)
-            finish, sent = (lambda g: cfg.decode(g, h.shape[0]).sum(axis=0) / m), sent[0]
+            finish, sent = (lambda g, _=0: cfg.decode(g, h.shape[0]).sum(axis=0) / m), sent[0]
         else:
             chunk, sent = coll.reduce_scatter_rows(h.reshape(m, -1), axis_name, cfg, own_stream=True)
             _, _, gathered = coll.all_gather_chunk(chunk / m, axis_name, cfg, own_stream=True, with_payloads=True)
-            finish, sent = (lambda g: cfg.decode(g, chunk.shape[0]).reshape(-1)), sent.reshape(-1)
+            finish, sent = (lambda g, _=0: cfg.decode(g, chunk.shape[0]).reshape(-1)), sent.reshape(-1)
         mean = cfg.rotate_out(finish(gathered)[None], p)[0]
         stored = None
         if self.compensate:
@@ -357,19 +358,24 @@ class Exchange(NamedTuple):
         else:
             e = quant.load(error, error_scale, self.error_bits, block_size=self.cfg.block_size)[0]
             acc = loco_lib._rounded(self.error_beta * e, never) + slice_f32
-        code = self.sparse if layout is None else _tiled_sparse(layout, self.sparse)
-        payload, sent = code.encode(acc)
+        if layout is None:
+            code, own = self.sparse, 0
+        else:  # a tiled slice's payload depends on which data device sends it (binmean's per-leaf statistics)
+            code = _tiled_sparse(layout, self.sparse)
+            own = lax.axis_index(self.data_axis) if self.data_size() > 1 else 0
+        payload, sent = code.encode(acc) if layout is None else code.encode(acc, own)
         gathered = coll.on_own_stream(lambda: lax.all_gather(payload, self.axis_name, axis=0, to="invarying"))
 
-        def finish(g):  # (M, ..., bytes) -> the mean of the M decoded slices
+        def finish(g, j=0):  # (M, ..., bytes) from data device j -> the mean of the M decoded slices
+            args = () if layout is None else (j,)
             if self.average_over == "senders":
-                values, held = code.decode(g, held=True)
+                values, held = code.decode(g, *args, held=True)
                 return values.sum(axis=0) / jnp.maximum(held.sum(axis=0), 1.0)
-            return code.decode(g).sum(axis=0) / m
+            return code.decode(g, *args).sum(axis=0) / m
 
         new = quant.store((acc - loco_lib._rounded(sent, never))[None], self.error_bits,
                           block_size=self.cfg.block_size)
-        return finish(gathered), new, (gathered, finish)
+        return finish(gathered, own), new, (gathered, finish)
 
 
 def merge(plan, p, mean_delta, global_params, local, outer, outer_state, alpha, delivered, restart=None):

@@ -19,7 +19,8 @@ mean over replicas shows it (the exchange then drops the round, as the dense exc
 Values use the project's quantizers (:func:`loco_jax.quant.quantize`; any format of
 :data:`loco_jax.quant.FORMATS` at its bit widths, one fp32 scale per chunk) or ``"binmean"``, SparseLoCo's
 2-bit quantizer (:func:`binmean_quantize`: the kept values centred on their mean, 4 bins 1.5 standard
-deviations wide, each decoded to its bin's mean; 20 bytes of statistics per chunk in place of the scale);
+deviations wide, each decoded to its bin's mean; 20 bytes of statistics in place of the scale, per chunk,
+or per leaf of a :class:`TiledSparse` slice as SparseLoCo takes them per tensor);
 positions are a fixed-width code, little-endian in a bit stream (:func:`pack_bits`).
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -65,7 +67,7 @@ BINMEAN_BINS = 4
 BINMEAN_WIDTH = 1.5  # a bin's width in standard deviations of the centred values (6 sigma over 4 bins)
 
 
-def binmean_quantize(values):
+def binmean_quantize(values, segments=None, num_segments=None):
     """SparseLoCo's 2-bit values quantizer, over the last axis of ``values`` (one row: one chunk's kept values)::
 
         mu = mean(v),  c = v - mu,  sigma = std(c) (unbiased; 0 for one value),  w = 1.5 sigma
@@ -73,30 +75,48 @@ def binmean_quantize(values):
         L[b] = mean of c over the values with q = b          (0 for an empty bin)
         decode:  v^ = L[q] + mu
 
-    Returns ``(codes uint8 (..., k), side (..., 5) fp32)``, ``side = (mu, L[0], ..., L[3])``. A row holding
-    NaN or Inf gets a NaN side, so it decodes to NaN (the sparse mean then shows it). Inverse:
-    :func:`binmean_dequantize`. Every bin decodes to the mean of what it holds, so a row's decoded sum
-    equals its sum (up to rounding): the quantizer moves no mass, it only spreads it within each bin.
+    with one set of statistics ``(mu, sigma, L)`` per row, or, given ``segments`` (one int per row of a 2-D
+    ``values``, in ``[0, num_segments)``), per segment: pooled over every value of the rows that share an id
+    (SparseLoCo's statistics per tensor, when a row's id is its leaf).
+
+    Returns ``(codes uint8 (..., k), side fp32)``, ``side = (mu, L[0], ..., L[3])`` per row ``(..., 5)`` or
+    per segment ``(num_segments, 5)`` (an empty segment: zeros). A row holding NaN or Inf gets a NaN side
+    (its segment's, when pooled), so it decodes to NaN (the sparse mean then shows it). Inverse:
+    :func:`binmean_dequantize`. Every bin decodes to the mean of what it holds, so a row's (segment's)
+    decoded sum equals its sum (up to rounding): the quantizer moves no mass, it only spreads it within
+    each bin.
     """
     v = jnp.asarray(values, jnp.float32)
     k = v.shape[-1]
+    if segments is None:  # each row its own statistics
+        pool = spread = lambda x: x
+    else:
+        if v.ndim != 2 or segments.shape != v.shape[:1]:
+            raise ValueError(f"segments of shape {segments.shape} must hold one id per row of the 2-D values "
+                             f"{v.shape}.")
+        pool = lambda x: jax.ops.segment_sum(x, segments, num_segments)  # noqa: E731
+        spread = lambda x: x[segments]  # noqa: E731
     finite = jnp.all(jnp.isfinite(v), axis=-1, keepdims=True)
     v = jnp.where(finite, v, 0.0)
-    mu = jnp.mean(v, axis=-1, keepdims=True)
-    c = v - mu
-    sigma = jnp.sqrt(jnp.sum(c * c, axis=-1, keepdims=True) / max(k - 1, 1))
+    count = pool(jnp.full(v.shape[:-1] + (1,), float(k)))
+    mu = pool(jnp.sum(v, axis=-1, keepdims=True)) / jnp.maximum(count, 1.0)
+    c = v - spread(mu)
+    sigma = jnp.sqrt(pool(jnp.sum(c * c, axis=-1, keepdims=True)) / jnp.maximum(count - 1.0, 1.0))
     width = jnp.where(sigma > 0, BINMEAN_WIDTH * sigma, 1.0)
-    q = jnp.clip(jnp.round(c / width + BINMEAN_BINS // 2), 0, BINMEAN_BINS - 1).astype(jnp.uint8)
+    q = jnp.clip(jnp.round(c / spread(width) + BINMEAN_BINS // 2), 0, BINMEAN_BINS - 1).astype(jnp.uint8)
     member = q[..., None] == jnp.arange(BINMEAN_BINS, dtype=jnp.uint8)  # (..., k, bins)
-    total = jnp.sum(jnp.where(member, c[..., None], 0.0), axis=-2)
-    count = jnp.sum(member, axis=-2)
-    table = jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
+    total = pool(jnp.sum(jnp.where(member, c[..., None], 0.0), axis=-2))
+    held = pool(jnp.sum(member, axis=-2).astype(jnp.float32))
+    table = jnp.where(held > 0, total / jnp.maximum(held, 1.0), 0.0)
     side = jnp.concatenate([mu, table], axis=-1)
-    return q, jnp.where(finite, side, jnp.nan)
+    return q, jnp.where(pool(jnp.where(finite, 0.0, 1.0)) > 0, jnp.nan, side)
 
 
-def binmean_dequantize(codes, side):
-    """The values of :func:`binmean_quantize`'s ``(codes, side)``: ``L[q] + mu`` per row."""
+def binmean_dequantize(codes, side, segments=None):
+    """The values of :func:`binmean_quantize`'s ``(codes, side)``: ``L[q] + mu`` per row, with ``segments``
+    (the rows' ids, over the second-to-last axis of ``codes``) each row through its segment's side."""
+    if segments is not None:
+        side = jnp.take(side, segments, axis=-2)
     table = side[..., 1:]
     return jnp.take_along_axis(table, codes.astype(jnp.int32), axis=-1) + side[..., :1]
 
@@ -243,10 +263,14 @@ class SparseConfig(NamedTuple):
     format: str
     index_bits: int
 
-    def chunk_bytes(self) -> tuple[int, int, int]:
-        """Bytes of one chunk's positions, values and scale (``binmean``: its mean and 4 bin means)."""
-        side = 4 * (1 + BINMEAN_BINS) if self.format == "binmean" else 4
-        return -(-self.k * self.index_bits // 8), -(-self.k * self.bits // 8), side
+    def chunk_bytes(self, pooled: bool = False) -> tuple[int, int, int]:
+        """Bytes of one chunk's positions, values and statistics (:meth:`side_bytes`; 0 when ``pooled``: the
+        statistics then travel once per segment)."""
+        return -(-self.k * self.index_bits // 8), -(-self.k * self.bits // 8), 0 if pooled else self.side_bytes()
+
+    def side_bytes(self) -> int:
+        """Bytes of one set of statistics: a scale, or ``binmean``'s mean and 4 bin means."""
+        return 4 * (1 + BINMEAN_BINS) if self.format == "binmean" else 4
 
     def payload_bytes(self, n: int) -> int:
         """Bytes of the payload of ``n`` values (a whole number of chunks)."""
@@ -264,38 +288,52 @@ class SparseConfig(NamedTuple):
         _, positions = lax.top_k(jnp.abs(jnp.where(finite[:, None], chunks, 0.0)), self.k)
         return positions, jnp.take_along_axis(chunks, positions, axis=-1), finite
 
-    def encode(self, x):
-        """``(payload (N, bytes) uint8, sent (N C,) fp32)`` of a flat fp32 ``x``: ``sent`` is what the
-        payload decodes to (for error feedback), computed without unpacking it."""
+    def encode(self, x, segments=None, num_segments=None):
+        """``(payload uint8, sent (N C,) fp32)`` of a flat fp32 ``x``: ``sent`` is what the payload decodes
+        to (for error feedback), computed without unpacking it. The payload is ``(N, bytes)``, one row per
+        chunk; with ``segments`` (``binmean`` only: one id per chunk, statistics pooled per id, see
+        :func:`binmean_quantize`) it is flat: the ``N`` chunks' positions and codes, then ``num_segments``
+        sets of statistics."""
         positions, values, finite = self.select(x)
+        values = jnp.where(finite[:, None], values, jnp.nan)
         if self.format == "binmean":
-            codes, side = binmean_quantize(jnp.where(finite[:, None], values, jnp.nan))
-            decoded = binmean_dequantize(codes, side)
+            codes, side = binmean_quantize(values, segments, num_segments)
+            decoded = binmean_dequantize(codes, side, segments)
+        elif segments is not None:
+            raise ValueError(f"segments pool binmean's statistics; format={self.format!r} has one scale per chunk.")
         else:
-            codes, side = quant.quantize(values, self.bits, format=self.format)
+            codes, side = quant.quantize(jnp.where(finite[:, None], values, 0.0), self.bits, format=self.format)
             side = jnp.where(finite, side, jnp.nan)
             decoded = quant.dequantize(codes, side, self.bits, format=self.format)
             side = side[:, None]
-        payload = jnp.concatenate([pack_bits(positions, self.index_bits), pack_bits(codes, self.bits),
-                                   lax.bitcast_convert_type(side, jnp.uint8).reshape(side.shape[0], -1)], axis=-1)
+        rows = jnp.concatenate([pack_bits(positions, self.index_bits), pack_bits(codes, self.bits)], axis=-1)
+        side = lax.bitcast_convert_type(side, jnp.uint8).reshape(side.shape[0], -1)
+        payload = (jnp.concatenate([rows, side], axis=-1) if segments is None
+                   else jnp.concatenate([rows.reshape(-1), side.reshape(-1)]))
         return payload, self._scatter(positions, decoded).reshape(-1)
 
-    def decode(self, payload, *, held=False):
-        """The dense fp32 values ``(..., N C)`` of payloads ``(..., N, bytes)``; ``held``: also the dense
-        fp32 indicator of the positions each payload holds (1 at its ``k`` positions per chunk, 0 elsewhere),
-        taken from the positions, not the values (a kept entry may decode to 0, and ``uniform`` has no zero
-        level): ``(values, held)``."""
+    def decode(self, payload, *, held=False, segments=None, num_segments=None):
+        """The dense fp32 values ``(..., N C)`` of payloads ``(..., N, bytes)`` (with ``segments``:
+        ``(..., payload bytes)``, as :meth:`encode` wrote them); ``held``: also the dense fp32 indicator of
+        the positions each payload holds (1 at its ``k`` positions per chunk, 0 elsewhere), taken from the
+        positions, not the values (a kept entry may decode to 0, and ``uniform`` has no zero level):
+        ``(values, held)``."""
         pos_bytes, val_bytes, _ = self.chunk_bytes()
-        positions = unpack_bits(payload[..., :pos_bytes], self.index_bits, self.k).astype(jnp.int32)
-        codes = unpack_bits(payload[..., pos_bytes:pos_bytes + val_bytes], self.bits, self.k).astype(jnp.uint8)
-        side = payload[..., pos_bytes + val_bytes:]
+        if segments is None:
+            rows, side = payload[..., :pos_bytes + val_bytes], payload[..., pos_bytes + val_bytes:]
+        else:
+            cut = payload.shape[-1] - num_segments * self.side_bytes()
+            rows = payload[..., :cut].reshape(*payload.shape[:-1], -1, pos_bytes + val_bytes)
+            side = payload[..., cut:].reshape(*payload.shape[:-1], num_segments, -1)
+        positions = unpack_bits(rows[..., :pos_bytes], self.index_bits, self.k).astype(jnp.int32)
+        codes = unpack_bits(rows[..., pos_bytes:], self.bits, self.k).astype(jnp.uint8)
         if self.format == "binmean":
             side = lax.bitcast_convert_type(side.reshape(*side.shape[:-1], -1, 4), jnp.float32)
-            values = binmean_dequantize(codes, side)
+            values = binmean_dequantize(codes, side, segments)
         else:
             values = quant.dequantize(codes, lax.bitcast_convert_type(side, jnp.float32), self.bits,
                                       format=self.format)
-        lead = payload.shape[:-1]
+        lead = rows.shape[:-1]
         flat_positions = positions.reshape(-1, self.k)
         dense = self._scatter(flat_positions, values.reshape(-1, self.k)).reshape(*lead[:-1], lead[-1] * self.chunk)
         if not held:
@@ -314,34 +352,59 @@ class TiledSparse(NamedTuple):
     """A top-k payload over a :class:`TileLayout`'s slice: one :class:`SparseConfig` per chunk class (its
     ``k = max(1, round(density C))``, positions in ``ceil(log2 C)`` bits), the classes' payloads flattened
     and concatenated into one static ``uint8`` vector; the slice's padding tail is not sent. Build it with
-    :func:`tiled_sparse`."""
+    :func:`tiled_sparse`.
+
+    ``binmean`` takes its statistics per leaf, as SparseLoCo's code takes them per tensor: over the kept
+    values of every chunk of one leaf in one device's slice (its padding chunks apart), one set per leaf
+    in the slice instead of one per chunk. Which leaves a slice holds depends on the device, so
+    :meth:`encode` and :meth:`decode` take the data device's index (traced under ``shard_map``)."""
 
     classes: tuple  # ((C, n), ...): n chunks of C values per class, in slice order
     configs: tuple  # one SparseConfig per class
     slice_len: int
+    segments: tuple = ()  # binmean: per class, per device, each chunk's segment id (its leaf's, relabelled)
+    num_segments: tuple = ()  # binmean: per class, the segments per slice
 
     def payload_bytes(self) -> int:
-        return sum(n * sum(cfg.chunk_bytes()) for (_, n), cfg in zip(self.classes, self.configs))
+        total = 0
+        for c, ((_, n), cfg) in enumerate(zip(self.classes, self.configs)):
+            pos, val, side = cfg.chunk_bytes(pooled=bool(self.segments))
+            total += n * (pos + val + side) + (self.num_segments[c] * cfg.side_bytes() if self.segments else 0)
+        return total
 
-    def encode(self, x):
-        """``(payload (bytes,) uint8, sent (slice_len,) fp32)`` of one slice ``x``."""
+    def _segments(self, c, device):
+        """Class ``c``'s segment ids on data device ``device`` (an int or a traced index), and their count."""
+        if not self.segments:
+            return None, None
+        table = np.asarray(self.segments[c], np.int32)
+        if isinstance(device, int) or len(table) == 1:  # a static row (one device: the traced index is 0)
+            return jnp.asarray(table[device if isinstance(device, int) else 0]), self.num_segments[c]
+        return jnp.asarray(table)[device], self.num_segments[c]
+
+    def encode(self, x, device=0):
+        """``(payload (bytes,) uint8, sent (slice_len,) fp32)`` of data device ``device``'s slice ``x``."""
         payloads, sent, at = [], [], 0
-        for (size, n), cfg in zip(self.classes, self.configs):
-            payload, part = cfg.encode(x[at:at + size * n])
+        for c, ((size, n), cfg) in enumerate(zip(self.classes, self.configs)):
+            payload, part = cfg.encode(x[at:at + size * n], *self._segments(c, device))
             payloads.append(payload.reshape(-1))
             sent.append(part)
             at += size * n
         sent.append(jnp.zeros((self.slice_len - at,), jnp.float32))
         return jnp.concatenate(payloads), jnp.concatenate(sent)
 
-    def decode(self, payload, *, held=False):
-        """The dense slices ``(..., slice_len)`` of payloads ``(..., bytes)`` (``held``: also the indicator
-        of the positions each holds, as :meth:`SparseConfig.decode`)."""
+    def decode(self, payload, device=0, *, held=False):
+        """The dense slices ``(..., slice_len)`` of data device ``device``'s payloads ``(..., bytes)``
+        (``held``: also the indicator of the positions each holds, as :meth:`SparseConfig.decode`)."""
         lead = payload.shape[:-1]
         values, marks, at = [], [], 0
-        for (size, n), cfg in zip(self.classes, self.configs):
-            width = n * sum(cfg.chunk_bytes())
-            out = cfg.decode(payload[..., at:at + width].reshape(*lead, n, -1), held=held)
+        for c, ((size, n), cfg) in enumerate(zip(self.classes, self.configs)):
+            segments, count = self._segments(c, device)
+            pos, val, side = cfg.chunk_bytes(pooled=segments is not None)
+            width = n * (pos + val + side) + (count * cfg.side_bytes() if segments is not None else 0)
+            part = payload[..., at:at + width]
+            if segments is None:
+                part = part.reshape(*lead, n, -1)
+            out = cfg.decode(part, held=held, segments=segments, num_segments=count)
             at += width
             values.append(out[0] if held else out)
             if held:
@@ -352,16 +415,35 @@ class TiledSparse(NamedTuple):
         return (dense, jnp.concatenate(marks + [tail], axis=-1)) if held else dense
 
 
+def leaf_segments(layout: TileLayout):
+    """``(segments, num_segments)`` of ``layout`` for statistics per leaf: per class, per device, each
+    chunk's segment id (the slice's leaves in order 0, 1, ...; its padding chunks one more), and per class
+    the largest count of segments on any device."""
+    segments, counts = [], []
+    for c in range(len(layout.classes)):
+        per_device = []
+        for d in range(layout.devices):
+            owner = np.asarray(layout.leaf[d][c])
+            leaves = np.unique(owner[owner >= 0])
+            ids = np.where(owner >= 0, np.searchsorted(leaves, owner), len(leaves))
+            per_device.append(tuple(int(i) for i in ids))
+        segments.append(tuple(per_device))
+        counts.append(max(max(ids, default=-1) + 1 for ids in per_device))
+    return tuple(segments), tuple(counts)
+
+
 def tiled_sparse(layout: TileLayout, density: float, *, bits: int = 2, format: str = "uniform") -> TiledSparse:
     """The :class:`TiledSparse` payload of ``layout`` at ``density`` (in (0, 1)), values at ``bits`` in
-    ``format`` (checked as :func:`sparse_config` checks them; ``binmean`` needs every class's ``k >= 2``)."""
+    ``format`` (checked as :func:`sparse_config` checks them; ``binmean`` takes its statistics per leaf,
+    :func:`leaf_segments`, so any ``k`` serves: a leaf of one kept value decodes it exactly)."""
     _check_density(density)
     configs = []
     for size, _ in layout.classes:
         k = min(max(1, round(density * size)), size)
-        _check_values(bits, format, k, size)
+        _check_values(bits, format, k, size, pooled=True)
         configs.append(SparseConfig(size, k, bits, format, max(1, math.ceil(math.log2(size)))))
-    return TiledSparse(layout.classes, tuple(configs), layout.slice_len)
+    pooled = leaf_segments(layout) if format == "binmean" else ((), ())
+    return TiledSparse(layout.classes, tuple(configs), layout.slice_len, *pooled)
 
 
 def _check_density(density):
@@ -369,16 +451,16 @@ def _check_density(density):
         raise ValueError(f"density={density!r} must lie in (0, 1): the fraction of each chunk's entries sent.")
 
 
-def _check_values(bits, format, k, chunk):
+def _check_values(bits, format, k, chunk, pooled=False):
     """The kept values' format at ``bits``: one of :mod:`loco_jax.quant`'s, or a sparse-only one (which also
-    needs ``k >= 2`` of each ``chunk`` values for its statistics)."""
+    needs ``k >= 2`` of each ``chunk`` values for statistics of their own; pooled over a leaf, any ``k``)."""
     if format not in SPARSE_FORMAT_BITS:
         quant.validate_format(bits, format)
         return
     if bits not in SPARSE_FORMAT_BITS[format]:
         raise ValueError(f"format={format!r} takes bits in {SPARSE_FORMAT_BITS[format]} (its {BINMEAN_BINS} "
                          f"bins), not bits={bits!r}.")
-    if k < 2:
+    if k < 2 and not pooled:
         raise ValueError(f"format={format!r} keeps k = {k} entry per chunk; its statistics need k >= 2: use a "
                          f"density >= {2 / chunk:.3g} for chunk={chunk}.")
 
@@ -412,5 +494,5 @@ def sparse_config(density: float, *, chunk: int = DEFAULT_CHUNK, bits: int = 2, 
 
 
 __all__ = ["DEFAULT_CHUNK", "SPARSE_FORMAT_BITS", "SparseConfig", "TileLayout", "TiledSparse", "largest_divisor",
-           "tile_layout", "tiled_sparse", "binmean_dequantize", "binmean_quantize",
+           "leaf_segments", "tile_layout", "tiled_sparse", "binmean_dequantize", "binmean_quantize",
            "pack_bits", "sparse_config", "unpack_bits"]

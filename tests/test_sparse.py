@@ -486,17 +486,65 @@ def test_a_tiled_payload_keeps_each_chunks_top_k_with_k_scaled_to_the_chunk():
     assert not np.asarray(sent[at:]).any() and not np.asarray(held[0, at:]).any()
 
 
-def test_diloco_sparse_with_chunks_that_follow_the_leaves_sends_each_tiles_top_k(mesh):
+def test_tiled_binmean_takes_its_statistics_per_leaf_of_each_devices_slice():
+    """SparseLoCo's quantizer over tiles: one set of statistics per leaf in a device's slice (NumPy: the kept
+    values of all that leaf's chunks there, through ``numpy_binmean`` at once), the padding chunks apart;
+    one set per leaf instead of one per chunk on the wire; the same decode with the device's index traced; a
+    NaN in one leaf's slice makes that leaf's values NaN there and no other's."""
+    shapes = [(128, 192), (2, 96, 64), (128,), (7,)]
+    layout = sparse.tile_layout(shapes, devices=3, align=256)
+    tiled = sparse.tiled_sparse(layout, 0.03, bits=2, format="binmean")
+    per_chunk = sum(n * sum(cfg.chunk_bytes()) for (_, n), cfg in zip(layout.classes, tiled.configs))
+    assert tiled.payload_bytes() == per_chunk - sum(
+        n * cfg.side_bytes() - s * cfg.side_bytes()
+        for (_, n), cfg, s in zip(layout.classes, tiled.configs, tiled.num_segments))
+    assert tiled.payload_bytes() < per_chunk
+    used = sum(c * n for c, n in layout.classes)
+    encode = jax.jit(tiled.encode)
+    for d in range(3):
+        x = distinct(layout.slice_len, seed=10 + d)
+        x[used:] = 0.0
+        payload, sent = tiled.encode(jnp.asarray(x), d)
+        assert payload.shape == (tiled.payload_bytes(),)
+        traced = encode(jnp.asarray(x), jnp.int32(d))[0]  # the same payload, up to the fused statistics' rounding
+        np.testing.assert_allclose(np.asarray(tiled.decode(traced[None], d)[0]), np.asarray(sent), rtol=1e-5,
+                                   atol=1e-6 * np.abs(x).max())
+        np.testing.assert_array_equal(np.asarray(tiled.decode(payload[None], d)[0]), np.asarray(sent))
+        want, at = np.zeros(layout.slice_len), 0
+        for c, ((size, n), cfg) in enumerate(zip(layout.classes, tiled.configs)):
+            chunks = x[at:at + size * n].reshape(n, size)
+            keep = np.argsort(-np.abs(chunks), axis=1, kind="stable")[:, :cfg.k]
+            owner = np.asarray(layout.leaf[d][c])
+            for leaf in np.unique(owner):  # a leaf's kept values, pooled (-1: the padding chunks, pooled apart)
+                rows = np.flatnonzero(owner == leaf)
+                _, decoded = numpy_binmean(np.take_along_axis(chunks[rows], keep[rows], axis=1).reshape(-1))
+                for i, r in enumerate(rows):
+                    want[at + r * size + keep[r]] = decoded[i * cfg.k:(i + 1) * cfg.k]
+            at += size * n
+        np.testing.assert_allclose(np.asarray(sent), want, rtol=1e-5, atol=1e-6 * np.abs(x).max())
+    x = distinct(layout.slice_len, seed=10)
+    x[used:] = 0.0
+    x[5] = np.nan  # in device 0's first tile, of leaf 0
+    sent = np.asarray(tiled.encode(jnp.asarray(x), 0)[1])
+    leaf0 = np.asarray(layout.tiled(jnp.asarray(np.repeat([1.0, 0.0], [128 * 192, sum(
+        int(np.prod(s)) for s in shapes[1:])]))))[:layout.slice_len] > 0
+    assert np.isnan(sent[leaf0 & (sent != 0)]).all() and np.isfinite(sent[~leaf0]).all()
+
+
+@pytest.mark.parametrize("values", ["uniform", "binmean"])
+def test_diloco_sparse_with_chunks_that_follow_the_leaves_sends_each_tiles_top_k(mesh, values):
     """``chunks="leaves"`` end to end (H = 6, 3 fragments, overlap 1, SparseLoCo's rule, 16 x 16 tiles): the
     bytes over ``replica`` are the tiled payload's, and each apply moves every tile of fragment 0 (read
-    in extract order, back through the layout) in at most M k of its entries."""
+    in extract order, back through the layout) in at most M k of its entries; with SparseLoCo's quantizer
+    too (statistics per leaf of each device's slice)."""
     width = 512
-    tx, run, xs, ys, over_replica, report = _sparse_run(mesh, width, chunks="leaves")
+    fmt = diloco.SPARSE_FORMATS[2] if values == "uniform" else values
+    tx, run, xs, ys, over_replica, report = _sparse_run(mesh, width, chunks="leaves", format=fmt)
     params = make_params(width=width)
     plan = tx.plan(params)
     shapes = [x.shape for x in plan.select(params, 0)]
     layout = sparse.tile_layout(shapes, D, tile=16, align=256)
-    tiled = sparse.tiled_sparse(layout, 1 / 64, bits=2, format=diloco.SPARSE_FORMATS[2])
+    tiled = sparse.tiled_sparse(layout, 1 / 64, bits=2, format=fmt)
     assert sum(op.total_bytes for op in over_replica) == (M - 1) * tiled.payload_bytes(), report.table()
     moved = _fragment_0_moved_by_its_apply(run, plan, xs, ys)
     in_tiles = np.asarray(layout.tiled(jnp.asarray(moved))).reshape(D, -1)

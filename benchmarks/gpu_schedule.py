@@ -108,7 +108,7 @@ def _own_stream(ins) -> bool:
 
 class _Program:
     def __init__(self, text: str, replicas: int, devices: int):
-        self.module = hlo._parse_module(text, every_instruction=True)
+        self.module = hlo.parse_module(text, every_instruction=True)
         self.per_replica = devices // replicas
         self.replicas = replicas
         self.shapes = {c: {i.name: i.shape for i in comp.instrs} for c, comp in self.module.comps.items()}
@@ -116,7 +116,7 @@ class _Program:
     # ---- FLOPs of gemms (a dot, a fusion around one, a cuBLAS custom call), loops multiplied out
     def _dot_flops(self, cname, ins) -> float:
         lhs = _dims_of(self.shapes[cname].get(ins.operands[0], "f32[]"))
-        contracting = hlo._dims(ins.attrs.get("lhs_contracting_dims", "{}").strip("{}"))
+        contracting = hlo.parse_dims(ins.attrs.get("lhs_contracting_dims", "{}").strip("{}"))
         return 2.0 * _prod(_dims_of(ins.shape)) * _prod([lhs[d] for d in contracting if d < len(lhs)])
 
     def _custom_gemm_flops(self, cname, ins) -> float:
@@ -145,7 +145,7 @@ class _Program:
             return self._dot_flops(cname, ins), 1
         if op == "custom-call" and any(t in ins.attrs.get("custom_call_target", "").lower() for t in GEMM_TARGETS):
             return self._custom_gemm_flops(cname, ins), 1
-        callees = hlo._comp_names(ins.attrs.get("calls", "")) if op in ("fusion", "call", "async-start") else []
+        callees = hlo.computation_names(ins.attrs.get("calls", "")) if op in ("fusion", "call", "async-start") else []
         if op == "fusion":
             flops = sum(self.cost(c)[0] for c in callees)
             return flops, int(flops > 0)
@@ -153,12 +153,12 @@ class _Program:
             costs = [self.cost(c) for c in callees]
             return sum(c[0] for c in costs), sum(c[1] for c in costs)
         if op == "while":
-            trip = hlo._trip_count(ins.attrs) or 1
-            f, g = self.cost(hlo._comp_names(ins.attrs.get("body", ""))[0])
+            trip = hlo.trip_count(ins.attrs) or 1
+            f, g = self.cost(hlo.computation_names(ins.attrs.get("body", ""))[0])
             return trip * f, trip * g
         if op == "conditional":
-            branches = hlo._comp_names(ins.attrs.get("branch_computations", "")) + [
-                c for k in ("true_computation", "false_computation") for c in hlo._comp_names(ins.attrs.get(k, ""))]
+            branches = hlo.computation_names(ins.attrs.get("branch_computations", "")) + [
+                c for k in ("true_computation", "false_computation") for c in hlo.computation_names(ins.attrs.get(k, ""))]
             costs = [self.cost(c) for c in branches]
             return max(costs, default=(0.0, 0))
         return 0.0, 0
@@ -191,21 +191,21 @@ class _Program:
             if ins.opcode.endswith("-done") and ins.operands:
                 done_at[ins.operands[0]] = j
         for i, ins in enumerate(instrs):
-            kind, is_start = hlo._collective_kind(ins.opcode)
+            kind, is_start = hlo.collective_kind(ins.opcode)
             inner = ins
             if ins.opcode == "async-start":  # a collective wrapped in an async computation
-                wrapped = [x for c in hlo._comp_names(ins.attrs.get("calls", ""))
-                           for x in self.module.comps.get(c, hlo._Comp(c, False, [])).instrs
-                           if hlo._collective_kind(x.opcode)[0]]
+                wrapped = [x for c in hlo.computation_names(ins.attrs.get("calls", ""))
+                           for x in self.module.comps.get(c, hlo.Computation(c, False, [])).instrs
+                           if hlo.collective_kind(x.opcode)[0]]
                 if wrapped:
-                    inner, kind, is_start = wrapped[0], hlo._collective_kind(wrapped[0].opcode)[0], True
+                    inner, kind, is_start = wrapped[0], hlo.collective_kind(wrapped[0].opcode)[0], True
             if kind is not None:
                 j = done_at.get(ins.name) if is_start else None
                 result = instrs[j].shape if j is not None else inner.shape
                 shapes = hlo.parse_shapes(result)
                 c = Collective(
                     name=ins.name, kind=kind, computation=cname, crosses_replica=self.crosses(inner, kind),
-                    dtypes=tuple(sorted({d for d, _ in shapes})), bytes=sum(hlo._nbytes(d, s) for d, s in shapes),
+                    dtypes=tuple(sorted({d for d, _ in shapes})), bytes=sum(hlo.array_bytes(d, s) for d, s in shapes),
                     is_async=is_start and j is not None and not _is_sync(ins), count=mult,
                     own_stream=_own_stream(ins) or _own_stream(inner))
                 if j is not None:
@@ -215,17 +215,17 @@ class _Program:
                         c.gemm_flops_under += f
                         c.gemms_under += g
                         c.fusions_under += b.opcode == "fusion" and g == 0
-                    c.collectives_under = tuple(b.name for b in between if hlo._collective_kind(b.opcode)[0]
+                    c.collectives_under = tuple(b.name for b in between if hlo.collective_kind(b.opcode)[0]
                                                 or b.opcode == "async-start")
                 found.append(c)
             if ins.opcode == "while":
-                trip = hlo._trip_count(ins.attrs)
+                trip = hlo.trip_count(ins.attrs)
                 loops.append((ins.name, trip))
-                for body in hlo._comp_names(ins.attrs.get("body", "")):
+                for body in hlo.computation_names(ins.attrs.get("body", "")):
                     self._walk(body, mult * (trip or 1), found, loops, stack)
             elif ins.opcode in ("call", "conditional"):
                 for key in ("to_apply", "calls", "branch_computations", "true_computation", "false_computation"):
-                    for callee in hlo._comp_names(ins.attrs.get(key, "")):
+                    for callee in hlo.computation_names(ins.attrs.get(key, "")):
                         self._walk(callee, mult, found, loops, stack)
 
 
@@ -275,7 +275,7 @@ def exchange_overlap(text, replicas: int, devices: int, micro_batches: int = 1) 
         done_at = {ins.operands[0]: j for j, ins in enumerate(instrs) if ins.opcode.endswith("-done") and ins.operands}
         under = set()
         for i, ins in enumerate(instrs):
-            kind, is_start = hlo._collective_kind(ins.opcode)
+            kind, is_start = hlo.collective_kind(ins.opcode)
             if kind is None:
                 continue
             j = done_at.get(ins.name) if is_start else None
@@ -290,10 +290,10 @@ def exchange_overlap(text, replicas: int, devices: int, micro_batches: int = 1) 
         for i, ins in enumerate(instrs):
             flops = backward_cost(cname, ins)
             if flops is None:
-                trip = (hlo._trip_count(ins.attrs) or 1) if ins.opcode == "while" else 1
+                trip = (hlo.trip_count(ins.attrs) or 1) if ins.opcode == "while" else 1
                 keys = ("body",) if ins.opcode == "while" else ("to_apply", "calls", "branch_computations")
                 for key in keys:
-                    for callee in hlo._comp_names(ins.attrs.get(key, "")):
+                    for callee in hlo.computation_names(ins.attrs.get(key, "")):
                         walk(callee, mult * trip, stack + (cname,), covered or i in under)
                 continue
             totals["backward"] += mult * flops

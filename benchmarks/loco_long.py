@@ -52,7 +52,7 @@ def cells():
     for text, (seeds, data) in TEXTS.items():
         for seed in seeds:
             for variant, sets in VARIANTS.items():
-                out[cell_name(text, variant, seed)] = (text, parity._dp(seed, parity.LONG, DP_LR) + data + sets)
+                out[cell_name(text, variant, seed)] = (text, parity.dp_overrides(seed, parity.LONG, DP_LR) + data + sets)
     return quality.register(out)
 
 

@@ -189,7 +189,7 @@ def select_table():
 
 
 def _paired(prefix):
-    names = [(s, f"{prefix}_s{s}") for s in FINAL_SEEDS if f"{prefix}_s{s}" in quality._OVERRIDES]
+    names = [(s, f"{prefix}_s{s}") for s in FINAL_SEEDS if f"{prefix}_s{s}" in quality.OVERRIDES]
     return [(s, _gap(quality.final(n), quality.final(f"fp32_s{s}"))) for s, n in names
             if quality.finished(n) and quality.finished(f"fp32_s{s}")]
 

@@ -108,7 +108,7 @@ def _run(seed, steps):
             f"checkpoint_every={steps // 5}", "log_every=10"]
 
 
-def _dp(seed, steps, lr):
+def dp_overrides(seed, steps, lr):
     return _run(seed, steps) + ["mesh.replicas=1", "diloco.enabled=false", f"optim.lr={lr}"]
 
 
@@ -127,7 +127,7 @@ EXCHANGE = {"stream4": dict(format="int", rotate=False, compensate=False),
             "stream4rot": dict(format="lloyd", rotate=True, compensate=False)}
 
 
-def _stream(seed, steps, m, bits, s, exchange="stream4"):
+def stream_overrides(seed, steps, m, bits, s, exchange="stream4"):
     pins = [f"diloco.{k}={str(v).lower()}" for k, v in EXCHANGE[exchange].items()] if bits == 4 else []
     return _diloco(seed, steps, m, bits=bits, fragments=FRAGMENTS, overlap=1, **s) + pins
 
@@ -148,8 +148,8 @@ def _suffix(s):
 
 # Each DiLoCo family of the tune group: its name prefix, the moves it tries, and its cell at settings s.
 FAMILIES = {
-    "par_m2_stream4": (STREAM_MOVES[2], lambda s: _stream(0, LONG, 2, 4, s)),
-    "par_m4_stream4": (STREAM_MOVES[4], lambda s: _stream(0, LONG, 4, 4, s)),
+    "par_m2_stream4": (STREAM_MOVES[2], lambda s: stream_overrides(0, LONG, 2, 4, s)),
+    "par_m4_stream4": (STREAM_MOVES[4], lambda s: stream_overrides(0, LONG, 4, 4, s)),
     "par_m2_diloco": (DILOCO_MOVES, lambda s: _vanilla(0, LONG, 2, s)),
 }
 
@@ -160,7 +160,7 @@ def tune_cells():
     for moves in ([{}], None):
         for lr in DP_LRS:
             if (lr == DEFAULT["lr"]) == (moves is not None):
-                out[f"par_dp_lr{lr:g}_s0"] = ("tune", _dp(0, LONG, lr))
+                out[f"par_dp_lr{lr:g}_s0"] = ("tune", dp_overrides(0, LONG, lr))
         for prefix, (family_moves, cell) in FAMILIES.items():
             for move in moves or family_moves:
                 s = dict(DEFAULT, **move)
@@ -212,7 +212,7 @@ def combined_cells():
 TUNE.update(quality.register(combined_cells()))
 
 
-def _best(prefix):
+def best_tune_cell(prefix):
     """The selectable finished tune cell (at least ``MIN_ROUNDS`` outer rounds per fragment) with the lowest
     final eval loss among those named ``prefix...``, or None if any of them has not finished (a selection
     from part of the grid is not made)."""
@@ -234,14 +234,14 @@ def selection():
     all finished. Vanilla DiLoCo at M = 4 and Streaming DiLoCo's fp32 and 2-bit exchanges take the
     settings chosen for their M = 2 (vanilla) or 4-bit (Streaming) counterpart."""
     out = {}
-    best = _best("par_dp_")
+    best = best_tune_cell("par_dp_")
     if best:
         out["dp"] = float(dict(x.split("=", 1) for x in TUNE[best][1])["optim.lr"])
     for m in STREAM_MOVES:
-        best = _best(f"par_m{m}_stream4")
+        best = best_tune_cell(f"par_m{m}_stream4")
         if best:
             out[("stream", m)] = _settings_of(best)
-    best = _best("par_m2_diloco")
+    best = best_tune_cell("par_m2_diloco")
     if best:
         out[("diloco", 2)] = out[("diloco", 4)] = _settings_of(best)
     return out
@@ -258,12 +258,12 @@ def seeded_cells():
     for seed in SEEDS:
         for steps, group in [(LONG, "final")] + [(n, "trend") for n in TREND]:
             if "dp" in chosen:
-                out[f"par_dp_{steps}_s{seed}"] = (group, _dp(seed, steps, chosen["dp"]))
+                out[f"par_dp_{steps}_s{seed}"] = (group, dp_overrides(seed, steps, chosen["dp"]))
             for m in (2, 4):
                 s = chosen.get(("stream", m))
                 if s:
                     for name, bits in METHODS if group == "final" else METHODS[:1]:
-                        out[f"par_m{m}_{name}_{steps}_s{seed}"] = (group, _stream(seed, steps, m, bits, s, name))
+                        out[f"par_m{m}_{name}_{steps}_s{seed}"] = (group, stream_overrides(seed, steps, m, bits, s, name))
                 s = chosen.get(("diloco", m))
                 if s and (group == "final" or m == 2):
                     out[f"par_m{m}_diloco_{steps}_s{seed}"] = (group, _vanilla(seed, steps, m, s))
@@ -284,12 +284,12 @@ def width_cells():
     out = {}
     for seed in WIDTH_SEEDS:
         if "dp" in chosen:
-            out[f"kjv_dp_3000_s{seed}"] = ("width", _dp(seed, LONG, chosen["dp"]) + text2)
+            out[f"kjv_dp_3000_s{seed}"] = ("width", dp_overrides(seed, LONG, chosen["dp"]) + text2)
         for m in (2, 4):
             s = chosen.get(("stream", m))
             for name, bits in (("stream2", 2), ("stream4rot", 4)):
                 if s:
-                    out[f"kjv_m{m}_{name}_3000_s{seed}"] = ("width", _stream(seed, LONG, m, bits, s, name) + text2)
+                    out[f"kjv_m{m}_{name}_3000_s{seed}"] = ("width", stream_overrides(seed, LONG, m, bits, s, name) + text2)
     return quality.register(out)
 
 
@@ -361,7 +361,7 @@ def cross_replica_bytes(name):
 def _config(name):
     from loco_jax.training import config as config_lib
 
-    return config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE + quality._OVERRIDES[name])
+    return config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE + quality.OVERRIDES[name])
 
 
 def local_evals(name):
@@ -423,18 +423,18 @@ def _epochs(steps):
     return steps * 16 * 64 / corpus.train_chars, corpus.train_chars
 
 
-def _fmt(x, spec="+.2f", unit=" %"):
+def format_gap(x, spec="+.2f", unit=" %"):
     return "n/a" if x is None or x != x else f"{x:{spec}}{unit}"
 
 
 def tune_table():
-    best_dp = _best("par_dp_")
+    best_dp = best_tune_cell("par_dp_")
     ref = best_dp or f"par_dp_lr{DEFAULT['lr']:g}_s0"
     lines = [f"Seed 0, {LONG:,} steps. Gap: to data parallel at its best learning rate on seed 0 (`{ref}`). "
              "Each row moves one setting from the defaults (outer Nesterov lr 0.7, momentum 0.9, alpha 0.5, "
              f"inner lr 3e-3, H = {H}); a chosen row is marked.", "",
              "| cell | method | M | moved from the defaults | final eval loss | gap |", "|---|---|---:|---|---:|---:|"]
-    chosen = {_best(p) for p in ("par_dp_", "par_m2_stream4", "par_m4_stream4", "par_m2_diloco")}
+    chosen = {best_tune_cell(p) for p in ("par_dp_", "par_m2_stream4", "par_m4_stream4", "par_m2_diloco")}
     for name, (_, overrides) in TUNE.items():
         kv = dict(x.split("=", 1) for x in overrides)
         if "_dp_" in name:
@@ -449,7 +449,7 @@ def tune_table():
                 moved += f" ({_rounds(overrides)} rounds per fragment: not selectable)"
         done = quality.finished(name)
         loss = f"{quality.final(name):.4f}" if done else "running or queued"
-        gap = _fmt(_gap(name, ref)) if done and quality.finished(ref) else ""
+        gap = format_gap(_gap(name, ref)) if done and quality.finished(ref) else ""
         mark = " (chosen)" if name in chosen else ""
         lines.append(f"| `{name}`{mark} | {method} | {m} | {moved} | {loss} | {gap} |")
     return "\n".join(lines)
@@ -457,7 +457,7 @@ def tune_table():
 
 def _done(name):
     """A known cell (its settings chosen) that has finished."""
-    return name in quality._OVERRIDES and quality.finished(name)
+    return name in quality.OVERRIDES and quality.finished(name)
 
 
 def _row_gaps(name_of, ref_of):
@@ -489,8 +489,8 @@ def final_table(steps=LONG):
             gaps, mean = _row_gaps(name_of, dp)
             target = TARGETS.get((key, m))
             byte = common.human(cross_replica_bytes(name_of(1))) if _done(name_of(1)) else ""
-            lines.append(f"| {m} | {method} | {_label(s)} | {byte} | " + " | ".join(_fmt(g) for g in gaps)
-                         + f" | {_fmt(mean)} | {'<= ' + _fmt(target) if target else ''} |")
+            lines.append(f"| {m} | {method} | {_label(s)} | {byte} | " + " | ".join(format_gap(g) for g in gaps)
+                         + f" | {format_gap(mean)} | {'<= ' + format_gap(target) if target else ''} |")
         stream = lambda key: lambda seed: f"par_m{m}_{key}_{steps}_s{seed}"  # noqa: E731
         if chosen.get(("stream", m)):
             # what the exchange's quantization costs: the same settings, seeds and data with fp32 exchanged
@@ -501,8 +501,8 @@ def final_table(steps=LONG):
                                              ("stream2", "stream32", "2-bit against fp32 exchange", "")):
                 gaps, mean = _row_gaps(stream(low), stream(high))
                 if any(g is not None for g in gaps):
-                    lines.append(f"| {m} | Streaming {label} | | | " + " | ".join(_fmt(g) for g in gaps)
-                                 + f" | {_fmt(mean)} | {target} |")
+                    lines.append(f"| {m} | Streaming {label} | | | " + " | ".join(format_gap(g) for g in gaps)
+                                 + f" | {format_gap(mean)} | {target} |")
     return "\n".join(lines)
 
 
@@ -543,7 +543,7 @@ def trend_table():
              "|---|---:|" + "---:|" * (len(TREND) + 1)]
     names = {"stream4": "Streaming DiLoCo 4-bit", "diloco": "DiLoCo fp32"}
     for (key, m), pts in rows.items():
-        lines.append(f"| {names[key]} | {m} | " + " | ".join(_fmt(g) for _, g in pts) + " |")
+        lines.append(f"| {names[key]} | {m} | " + " | ".join(format_gap(g) for _, g in pts) + " |")
     return "\n".join(lines)
 
 

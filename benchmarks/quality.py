@@ -107,13 +107,13 @@ def cells() -> dict[str, tuple[str, list[str]]]:
     return register(out)
 
 
-_OVERRIDES = {}  # cell name -> its overrides, filled by the scripts that define cells (see register)
+OVERRIDES = {}  # cell name -> its overrides, filled by the scripts that define cells (see register)
 
 
 def register(table):
     """Makes ``table``'s cells (name -> (group, overrides)) known to the helpers below; returns it."""
     for name, (_, overrides) in table.items():
-        _OVERRIDES[name] = overrides
+        OVERRIDES[name] = overrides
     return table
 
 
@@ -157,7 +157,7 @@ _UNKEYED = {"sample_tokens": _ANY, "data.sp_model": None, "data.require_path": N
 
 def cell_dir(name, overrides=None) -> str:
     """``runs/quality/NAME-KEY`` relative to the repo root (KEY: :func:`resolved_key`)."""
-    overrides = _OVERRIDES[name] if overrides is None else overrides
+    overrides = OVERRIDES[name] if overrides is None else overrides
     return os.path.join("runs", "quality", f"{name}-{resolved_key(overrides)}")
 
 
@@ -170,7 +170,7 @@ def argv_of(name, overrides):
 
 def steps_of(name) -> int:
     """The cell's run length: the last ``steps=`` of BASE and its overrides (480 unless a cell sets one)."""
-    return int([kv for kv in BASE + _OVERRIDES[name] if kv.startswith("steps=")][-1].split("=", 1)[1])
+    return int([kv for kv in BASE + OVERRIDES[name] if kv.startswith("steps=")][-1].split("=", 1)[1])
 
 
 def _finishes(rows, name) -> bool:

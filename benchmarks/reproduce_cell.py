@@ -32,14 +32,14 @@ def main(argv=None):
     parity.cells()
     sparse_parity.cells()
     loco_long.cells()
-    if args.cell not in quality._OVERRIDES:
+    if args.cell not in quality.OVERRIDES:
         raise SystemExit(f"unknown cell {args.cell!r}; see the benchmarks' --list")
     archived = glob.glob(os.path.join(quality.ARCHIVE, f"{args.cell}-*", "metrics.jsonl"))
     if not archived:
         raise SystemExit(f"{args.cell} has no archived record under {os.path.relpath(quality.ARCHIVE, common.ROOT)}")
     from loco_jax.training import config as config_lib
     from loco_jax.training.loop import train_and_evaluate
-    cfg = config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE + quality._OVERRIDES[args.cell])
+    cfg = config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE + quality.OVERRIDES[args.cell])
     old = {r["step"]: r for r in map(json.loads, open(archived[0]))}
     with tempfile.TemporaryDirectory() as workdir:
         train_and_evaluate(cfg, workdir, log=lambda *a: None, stop_after=args.steps)

@@ -168,11 +168,11 @@ def loader_rows(root: str, num_tokens: int, repeats: int, min_s: float) -> str:
         need = POD_TOKENS_PER_S / hosts
         nan = float("nan")
         cold = _rate(sharded, hosts, repeats, min_s, evict=lambda: _evict(files)) if can_evict else nan
-        announce, shard_reader._WILLNEED = shard_reader._WILLNEED, None  # rows read one page fault after another
+        announce, shard_reader.WILLNEED = shard_reader.WILLNEED, None  # rows read one page fault after another
         try:
             faults = _rate(sharded, hosts, repeats, min_s, evict=lambda: _evict(files)) if can_evict else nan
         finally:
-            shard_reader._WILLNEED = announce
+            shard_reader.WILLNEED = announce
         _cache_in(files + [single])
         warm = _rate(sharded, hosts, repeats, min_s)
         one = _rate(flat, hosts, repeats, min_s)

@@ -59,7 +59,7 @@ _ALL_MOVES = {**MOVES, **PROBES}
 def _sparse(tuned, seed, m, density, rule, move=None):
     """A sparse cell at parity.py's ``tuned`` (``parity.selection()``) Streaming DiLoCo settings for M = m."""
     s = tuned[("stream", m)]
-    return (parity._stream(seed, parity.LONG, m, 2, s, "stream2") + [f"diloco.density={density}"] + RULES[rule](s)
+    return (parity.stream_overrides(seed, parity.LONG, m, 2, s, "stream2") + [f"diloco.density={density}"] + RULES[rule](s)
             + _ALL_MOVES.get(move, []))
 
 
@@ -130,13 +130,13 @@ def seeded_cells():
     for seed in parity.SEEDS:
         for m in (2, 4):
             out[f"sp_m{m}_{tag}_3000_s{seed}"] = ("final", _sparse(tuned, seed, m, DENSITIES[d], rule, move))
-        out[f"muon_dp_3000_s{seed}"] = ("muon", parity._dp(seed, parity.LONG, tuned["dp"]) + MUON)
+        out[f"muon_dp_3000_s{seed}"] = ("muon", parity.dp_overrides(seed, parity.LONG, tuned["dp"]) + MUON)
         out[f"muon_m2_stream4rot_3000_s{seed}"] = (
-            "muon", parity._stream(seed, parity.LONG, 2, 4, tuned[("stream", 2)], "stream4rot") + MUON)
+            "muon", parity.stream_overrides(seed, parity.LONG, 2, 4, tuned[("stream", 2)], "stream4rot") + MUON)
         out[f"muon_sp_m2_{tag}_3000_s{seed}"] = ("muon", _sparse(tuned, seed, 2, DENSITIES[d], rule, move) + MUON)
     # the second text (benchmarks/second_text.py), seed 1: data parallel and the chosen sparse cell, M = 2
     text2 = [f"data.path={os.path.relpath(second_text.OUT, common.ROOT)}"]
-    out["kjv_dp_3000_s1"] = ("text2", parity._dp(1, parity.LONG, tuned["dp"]) + text2)
+    out["kjv_dp_3000_s1"] = ("text2", parity.dp_overrides(1, parity.LONG, tuned["dp"]) + text2)
     out[f"kjv_sp_m2_{tag}_3000_s1"] = ("text2", _sparse(tuned, 1, 2, DENSITIES[d], rule, move) + text2)
     out.update(grid_cells(tuned, (d, rule), move))
     return out
@@ -195,9 +195,11 @@ def senders_cell(seed, m, *extra, density="d3"):
 
 
 # Seed 0, around the outer sweep's best cell (senders, lr 1), at each M: the accumulator's decay, alpha 0.5,
-# and 1 % density (the bits target) at lr 1 and 2.
+# and 1 % density (the bits target) at lr 1 and 2, and at decay 0.99 (at 1 % an entry waits about 100 rounds
+# to be sent, and decay 0.95 leaks what waits: 0.95^20 = 0.36).
 TUNE41 = {"decay0.9": ("d3", ["diloco.error_decay=0.9"]), "decay0.99": ("d3", ["diloco.error_decay=0.99"]),
-          "alpha0.5": ("d3", ["diloco.alpha=0.5"]), "d1": ("d1", []), "d1_lr2": ("d1", ["diloco.outer_lr=2"])}
+          "alpha0.5": ("d3", ["diloco.alpha=0.5"]), "d1": ("d1", []), "d1_lr2": ("d1", ["diloco.outer_lr=2"]),
+          "d1_decay0.99": ("d1", ["diloco.error_decay=0.99"])}
 
 
 # Seed 0, the senders' cell with SparseLoCo's values quantizer (sparse.binmean_quantize; statistics per
@@ -262,8 +264,8 @@ def refs41_table():
     for m in (2, 4):
         for tag in list(TUNE41) + list(QUANT41) + list(TOPO41) + list(TILES41):
             name = f"sp41_m{m}_senders_lr1_{tag}_s0"
-            lines.append(f"| `{name}` | {m} | {value(name)} | {parity._fmt(_gap(name, 'sp41_ref_dp_s0'))} | "
-                         f"{parity._fmt(_gap(name, f'sp41_ref_m{m}_dense4_s0'))} |")
+            lines.append(f"| `{name}` | {m} | {value(name)} | {parity.format_gap(_gap(name, 'sp41_ref_dp_s0'))} | "
+                         f"{parity.format_gap(_gap(name, f'sp41_ref_m{m}_dense4_s0'))} |")
     return "\n".join(lines)
 
 
@@ -287,8 +289,8 @@ def outer_table():
                 if not quality.finished(name):
                     row.append("-")
                     continue
-                row.append(f"{quality.final(name):.4f} ({parity._fmt(_gap(name, dp))} DP, "
-                           f"{parity._fmt(_gap(name, dense))} dense)")
+                row.append(f"{quality.final(name):.4f} ({parity.format_gap(_gap(name, dp))} DP, "
+                           f"{parity.format_gap(_gap(name, dense))} dense)")
             lines.append(f"| {m} | {avg} | " + " | ".join(row) + " |")
     lines += ["", "| reference | archived (before cf4d0aa) | today's init |", "|---|---:|---:|"]
     for ref, old in REFS.items():
@@ -326,7 +328,7 @@ def _seed0_row(name, dense, mark=""):
     d, rule, move = _parts(name)
     rule = rule + (f", {move}" if move else "")
     return (f"| `{name}`{mark} | {100 * DENSITIES[d]:g} % | {rule} | {_loss(name)} | "
-            f"{parity._fmt(_gap(name, DP_S0))} | {parity._fmt(_gap(name, dense)) if dense else ''} |")
+            f"{parity.format_gap(_gap(name, DP_S0))} | {parity.format_gap(_gap(name, dense)) if dense else ''} |")
 
 
 def tune_table():
@@ -342,7 +344,7 @@ def tune_table():
 
 
 def tune4_table():
-    dense = parity._best("par_m4_stream4")
+    dense = parity.best_tune_cell("par_m4_stream4")
     lines = [f"Seed 0, M = 4, {parity.LONG:,} steps (run after seeds 1-3); gap to data parallel (`{DP_S0}`) and to "
              f"the tuned dense 4-bit exchange at M = 4 (`{dense}`).", ""] + SEED0_HEADER
     lines += [_seed0_row(name, dense) for name in tune4_cells()]
@@ -387,7 +389,7 @@ def final_table():
                     f"(to Muon data parallel: {_paired(zip(names, [f'muon_dp_3000_s{s}' for s in seeds]))}) | |")
     rows += ["", f"Second text (King James Bible, `benchmarks/second_text.py`), seed 1, M = 2: `kjv_sp_m2_{tag}_3000_s1` "
              f"{_loss(f'kjv_sp_m2_{tag}_3000_s1')} against data parallel's {_loss('kjv_dp_3000_s1')}: "
-             f"{parity._fmt(_gap(f'kjv_sp_m2_{tag}_3000_s1', 'kjv_dp_3000_s1'))}."]
+             f"{parity.format_gap(_gap(f'kjv_sp_m2_{tag}_3000_s1', 'kjv_dp_3000_s1'))}."]
     return "\n".join(rows)
 
 

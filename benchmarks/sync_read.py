@@ -37,7 +37,7 @@ def main(argv=None):
             program = super().__getitem__(key)
             return lambda *a, **k: jax.block_until_ready(program(*a, **k))
 
-    init, read, reads = Trainer.__init__, loop._Window.read, []
+    init, read, reads = Trainer.__init__, loop.StepWindow.read, []
 
     def counting_init(self, *a, **k):
         init(self, *a, **k)
@@ -48,7 +48,7 @@ def main(argv=None):
         read(self)
         reads.append((n, Counting.taken - before))
 
-    Trainer.__init__, loop._Window.read = counting_init, counted_read
+    Trainer.__init__, loop.StepWindow.read = counting_init, counted_read
     words = "the of and to a in that is was he for it with as his on be at by this had not are but".split()
     with tempfile.TemporaryDirectory() as tmp:
         text = os.path.join(tmp, "text.txt")

@@ -79,14 +79,14 @@ def from_views(ex: loco.Exchanger, slot_f):
     return codes(values), scales, codes(values2), scales2
 
 
-def _accumulate(grads, acc, count):
+def accumulate(grads, acc, count):
     """The last micro-batch's gradients with the earlier ones' sum, as a mean: ``(sum + g) / n``, or ``g``."""
     if acc is None:
         return grads
     return [x / count for x in _sum_into(acc, grads, False)]
 
 
-def _square_norm(grads):
+def square_norm(grads):
     return sum(jnp.sum(jnp.square(g), dtype=jnp.float32) for g in grads)
 
 
@@ -152,7 +152,7 @@ def stack(ex: loco.Exchanger, base: int, prepare: Callable, dims, count: int, la
         # XLA:CPU: the top layer's gather (FSDP under remat) follows the forward pass (the cotangent)
         top = prepare(coll.after(_index(params, depth - 1), ct_out)) if remat else None
         pending, ct = _layer_vjp(layer, prepare, params, saved, consts, remat, depth - 1, ct_out, top)
-        noise_axes = loco._device_axes(pending, ex.axis_name)  # the layers' gradients all vary alike
+        noise_axes = loco.state_axes(pending, ex.axis_name)  # the layers' gradients all vary alike
         walk = _BackwardWalk(ex, base, prepare, dims, count, layer, remat, params, saved, consts, acc, slot_f,
                              inputs, noise_axes)
         zeros = lambda ref: _typed_like(jnp.zeros(ref.shape, ref.dtype), ref)
@@ -189,7 +189,7 @@ class _BackwardWalk(NamedTuple):
 
     def local(self, i, grads):
         """Layer i's local gradient leaves: with micro-batches, the mean of the earlier ones' sum and these."""
-        return _accumulate(grads, None if self.acc is None else jax.tree.leaves(_index(self.acc, i)), self.count)
+        return accumulate(grads, None if self.acc is None else jax.tree.leaves(_index(self.acc, i)), self.count)
 
     def stored_slot(self, i):
         return from_views(self.ex, _index(self.slot_f, i))
@@ -213,16 +213,16 @@ class _BackwardWalk(NamedTuple):
     def exchange(self, i, grads, bufs):
         """Layer i's whole bucket step, written into the output buffers."""
         grads = self.local(i, grads)
-        axes = loco._device_axes(grads, self.ex.axis_name)
+        axes = loco.state_axes(grads, self.ex.axis_name)
         outs, slot = self.ex.bucket(self.base + i, grads, self.dims, self.stored_slot(i), self.inputs, axes)
-        return self.write(bufs, i, outs, slot, _square_norm(grads))
+        return self.write(bufs, i, outs, slot, square_norm(grads))
 
     def send(self, i, grads, bufs):
         """Layer i up to its all-to-all: ``(payload, layout, bufs)`` with its new stage-1 error written."""
         grads = self.local(i, grads)
         payload, layout, slot = self.ex.send(self.base + i, grads, self.dims, self.stored_slot(i), self.inputs,
                                              self.noise_axes)
-        return payload, layout, self.write(bufs, i, slot=slot[:2] + (None, None), sq_value=_square_norm(grads))
+        return payload, layout, self.write(bufs, i, slot=slot[:2] + (None, None), sq_value=square_norm(grads))
 
     def receive(self, i, received, layout, bufs):
         """Layer i from its received payloads: its output and, where kept, its second-stage error."""

@@ -130,7 +130,7 @@ def after(tree, previous):
     return jax.tree.unflatten(treedef, [first] + leaves[1:])
 
 
-def _round_up(n, multiple):
+def round_up(n, multiple):
     return -(-n // multiple) * multiple
 
 
@@ -154,7 +154,7 @@ def bucket_cols(sizes, rows, block_size, *, scatter=False, pad_multiple=1) -> in
     """Columns of the ``(rows, cols)`` bucket that holds leaves of these sizes."""
     unit = block_size * pad_multiple
     used = sum(sizes) // rows if scatter else -(-sum(sizes) // rows)
-    return max(_round_up(used, unit), unit)
+    return max(round_up(used, unit), unit)
 
 
 def make_bucket(leaves_or_tree, rows, block_size, *, scatter=False, pad_multiple=1, dims=None):
@@ -480,7 +480,7 @@ def wire_bytes_per_device(n, axis_size, *, bits=None, block_size=quant.DEFAULT_B
     m = axis_size
     if bits is None:
         return 2 * (m - 1) / m * n * 4
-    cols = max(_round_up(-(-n // m), block_size), block_size)
+    cols = max(round_up(-(-n // m), block_size), block_size)
     if mode == "all_gather":
         return (m - 1) * quant.payload_bytes(m * cols, bits, block_size)
     row = quant.payload_bytes(cols, bits, block_size)

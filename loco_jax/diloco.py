@@ -265,7 +265,7 @@ class Exchange(NamedTuple):
             unit = math.lcm(self.sparse.chunk, self.cfg.block_size)
         else:
             unit = self.cfg.block_size * (m if self.mode == "two_stage" else 1)
-        return max(coll._round_up(-(-size // d), unit), unit)
+        return max(coll.round_up(-(-size // d), unit), unit)
 
     def my_slice(self, flat, k: int, d: int):
         """This device's slice: values ``[j k, (j + 1) k)`` of ``flat`` zero-padded to ``d k``."""
@@ -357,7 +357,7 @@ class Exchange(NamedTuple):
             acc = slice_f32
         else:
             e = quant.load(error, error_scale, self.error_bits, block_size=self.cfg.block_size)[0]
-            acc = loco_lib._rounded(self.error_beta * e, never) + slice_f32
+            acc = loco_lib.rounded_apart(self.error_beta * e, never) + slice_f32
         if layout is None:
             code, own = self.sparse, 0
         else:  # a tiled slice's payload depends on which data device sends it (binmean's per-leaf statistics)
@@ -373,7 +373,7 @@ class Exchange(NamedTuple):
                 return values.sum(axis=0) / jnp.maximum(held.sum(axis=0), 1.0)
             return code.decode(g, *args).sum(axis=0) / m
 
-        new = quant.store((acc - loco_lib._rounded(sent, never))[None], self.error_bits,
+        new = quant.store((acc - loco_lib.rounded_apart(sent, never))[None], self.error_bits,
                           block_size=self.cfg.block_size)
         return finish(gathered, own), new, (gathered, finish)
 

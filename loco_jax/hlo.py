@@ -167,7 +167,9 @@ def dtype_bytes(dtype: str) -> float:
 _ARRAY_RE = re.compile(r"([A-Za-z][A-Za-z0-9]*)\[([^\]]*)\]")
 
 
-def _dims(text: str) -> tuple[int, ...]:
+def parse_dims(text: str) -> tuple[int, ...]:
+    """``"4,<=100,?"`` -> ``(4, 100, 0)``: a dimension list (a shape's, or ``lhs_contracting_dims``'), bounds
+    read as their bound and unknown dimensions as 0."""
     out = []
     for part in text.split(","):
         part = part.strip()
@@ -187,7 +189,7 @@ def parse_shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
     ``"(u8[4,100]{1,0}, f32[])"`` -> ``[("u8", (4, 100)), ("f32", ())]``.
     Layouts (``{1,0}``, ``{1,0:T(8,128)}``) are ignored.
     """
-    return [(m.group(1), _dims(m.group(2))) for m in _ARRAY_RE.finditer(text)]
+    return [(m.group(1), parse_dims(m.group(2))) for m in _ARRAY_RE.finditer(text)]
 
 
 def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
@@ -202,7 +204,8 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
     return shapes[0]
 
 
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> float:
+def array_bytes(dtype: str, shape: tuple[int, ...]) -> float:
+    """Bytes of an array of HLO ``dtype`` (``"u8"``, ``"f32"``, ...) and ``shape`` (sub-byte types: fractions)."""
     return math.prod(shape) * dtype_bytes(dtype)
 
 
@@ -279,7 +282,7 @@ def _tuple_elements(shape_text: str) -> list[str]:
     return [s]
 
 
-def _comp_names(value: str) -> list[str]:
+def computation_names(value: str) -> list[str]:
     """``%a`` / ``{%a, %b}`` / ``a`` -> ["a", "b"]."""
     v = value.strip()
     if v.startswith("{") and v.endswith("}"):
@@ -298,7 +301,9 @@ def _comp_names(value: str) -> list[str]:
 
 
 @dataclasses.dataclass
-class _Instr:
+class Instruction:
+    """One HLO instruction as :func:`parse_module` reads it: its shape's text, operands and attributes."""
+
     name: str
     shape: str
     opcode: str
@@ -308,17 +313,19 @@ class _Instr:
 
 
 @dataclasses.dataclass
-class _Comp:
+class Computation:
+    """One HLO computation (the entry, a fusion, a loop body...) and its instructions in text order."""
+
     name: str
     is_entry: bool
-    instrs: list[_Instr]
+    instrs: list[Instruction]
 
 
 _INSTR_RE = re.compile(r"^%?([^\s=]+)\s*=\s*(.*)$", re.S)
 _OPCODE_RE = re.compile(r"\s*([A-Za-z][\w\-]*)\s*\(")
 
 
-def _parse_instr(text: str, every: bool = False) -> _Instr | None:
+def _parse_instr(text: str, every: bool = False) -> Instruction | None:
     s = re.sub(r"/\*.*?\*/", "", text).strip()  # drop /*index=5*/ comments
     is_root = False
     if s.startswith("ROOT "):
@@ -356,7 +363,7 @@ def _parse_instr(text: str, every: bool = False) -> _Instr | None:
             attrs[k.strip()] = v.strip()
         elif part:
             attrs[part.strip()] = ""
-    return _Instr(name, shape, opcode, operands, attrs, is_root)
+    return Instruction(name, shape, opcode, operands, attrs, is_root)
 
 
 _WALKED_OPCODES = frozenset(["while", "conditional", "call", "fusion", "async-start", "custom-call"])
@@ -365,7 +372,7 @@ _WALKED_OPCODES = frozenset(["while", "conditional", "call", "fusion", "async-st
 def _interesting(opcode: str) -> bool:
     return (
         opcode in _WALKED_OPCODES
-        or _collective_kind(opcode)[0] is not None
+        or collective_kind(opcode)[0] is not None
         or opcode.endswith("-done")
         or opcode.endswith("-update")
     )
@@ -380,23 +387,25 @@ def _is_comp_header(line: str) -> bool:
 
 
 @dataclasses.dataclass
-class _Module:
+class ParsedModule:
+    """An HLO module as :func:`parse_module` reads it: its computations by name and the entry's."""
+
     name: str
     replica_count: int
     num_partitions: int
-    comps: dict[str, _Comp]
+    comps: dict[str, Computation]
     entry: str | None
 
 
-def _parse_module(text: str, every_instruction: bool = False) -> _Module:
+def parse_module(text: str, every_instruction: bool = False) -> ParsedModule:
     """The module's computations; only the instructions the byte count needs unless ``every_instruction``
     (a schedule's order needs them all)."""
     name = ""
     replica_count = 1
     num_partitions = 1
-    comps: dict[str, _Comp] = {}
+    comps: dict[str, Computation] = {}
     entry = None
-    current: _Comp | None = None
+    current: Computation | None = None
     pending: list[str] = []
     depth = 0
     for raw in text.splitlines():
@@ -425,7 +434,7 @@ def _parse_module(text: str, every_instruction: bool = False) -> _Module:
                 is_entry = line.startswith("ENTRY")
                 head = line[5:].strip() if is_entry else line
                 cname = re.split(r"[\s({]", head, maxsplit=1)[0].lstrip("%")
-                current = _Comp(cname, is_entry, [])
+                current = Computation(cname, is_entry, [])
                 comps[cname] = current
                 if is_entry:
                     entry = cname
@@ -442,7 +451,7 @@ def _parse_module(text: str, every_instruction: bool = False) -> _Module:
             current.instrs.append(ins)
     if entry is None and comps:
         entry = list(comps)[-1]  # XLA prints the entry computation last
-    return _Module(name, replica_count, num_partitions, comps, entry)
+    return ParsedModule(name, replica_count, num_partitions, comps, entry)
 
 
 # ---------------------------------------------------------------------------
@@ -457,7 +466,7 @@ def _parse_groups(value: str | None) -> tuple[list[list[int]] | None, int | None
     v = value.strip()
     iota = re.match(r"\[([\d,\s]+)\]\s*<=\s*\[", v)
     if iota:
-        dims = _dims(iota.group(1))
+        dims = parse_dims(iota.group(1))
         return None, dims[-1] if dims else None
     if v.startswith("{"):
         inner = v[1:-1].strip()
@@ -479,10 +488,10 @@ def replica_groups(value: str | None) -> tuple[tuple[int, ...], ...] | None:
     v = value.strip()
     iota = re.match(r"\[([\d,\s]+)\]\s*<=\s*\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?", v)
     if iota:
-        out_dims, src_dims = _dims(iota.group(1)), _dims(iota.group(2))
+        out_dims, src_dims = parse_dims(iota.group(1)), parse_dims(iota.group(2))
         ids = np.arange(int(np.prod(src_dims))).reshape(src_dims)
         if iota.group(3):
-            ids = ids.transpose(_dims(iota.group(3)))
+            ids = ids.transpose(parse_dims(iota.group(3)))
         ids = ids.reshape(-1, out_dims[-1])
         return tuple(tuple(int(x) for x in row) for row in ids)
     groups, _ = _parse_groups(v)
@@ -525,7 +534,9 @@ def _group_size(kind: str, attrs: dict[str, str], replica_count: int, num_partit
 _TRIP_RE = re.compile(r"known_trip_count\"?\s*[:=]\s*(?:\{\s*\"?n\"?\s*:\s*)?\"?(\d+)")
 
 
-def _trip_count(attrs: dict[str, str]) -> int | None:
+def trip_count(attrs: dict[str, str]) -> int | None:
+    """A ``while`` loop's known trip count from its attributes (``backend_config`` or ``frontend_attributes``),
+    or None where the compiler recorded none."""
     for key in ("backend_config", "frontend_attributes"):
         val = attrs.get(key)
         if not val:
@@ -604,7 +615,7 @@ class CollectiveOp:
 
     def bytes_by_dtype(self) -> dict[str, float]:
         """``total_bytes`` split over the element types of the payload."""
-        sizes = [_nbytes(d, s) for d, s in zip(self.dtypes, self.shapes)]
+        sizes = [array_bytes(d, s) for d, s in zip(self.dtypes, self.shapes)]
         tot = sum(sizes)
         out: dict[str, float] = {}
         for d, sz in zip(self.dtypes, sizes):
@@ -770,7 +781,7 @@ class CollectiveReport:
 # ---------------------------------------------------------------------------
 
 
-def _collective_kind(opcode: str) -> tuple[str | None, bool]:
+def collective_kind(opcode: str) -> tuple[str | None, bool]:
     """(normalized kind, is_async_start) for a collective opcode, else (None, False)."""
     if opcode in COLLECTIVE_KINDS:
         return opcode, False
@@ -779,12 +790,12 @@ def _collective_kind(opcode: str) -> tuple[str | None, bool]:
     return None, False
 
 
-def _has_collective(comp: _Comp) -> bool:
-    return any(_collective_kind(i.opcode)[0] is not None for i in comp.instrs)
+def _has_collective(comp: Computation) -> bool:
+    return any(collective_kind(i.opcode)[0] is not None for i in comp.instrs)
 
 
 class _Walker:
-    def __init__(self, module: _Module):
+    def __init__(self, module: ParsedModule):
         self.m = module
         self.ops: list[CollectiveOp] = []
 
@@ -798,16 +809,16 @@ class _Walker:
         if comp is None or cname in stack:
             return
         stack = stack + (cname,)
-        consumers: dict[str, _Instr] = {}
+        consumers: dict[str, Instruction] = {}
         for ins in comp.instrs:
             if ins.opcode.endswith("-done") or ins.opcode.endswith("-update"):
                 for o in ins.operands[:1]:
                     consumers[o] = ins
         for ins in comp.instrs:
-            kind, is_start = _collective_kind(ins.opcode)
+            kind, is_start = collective_kind(ins.opcode)
             here = f"{site}/{ins.name}" if site else ins.name
             if kind is not None:
-                callee = _comp_names(ins.attrs["calls"]) if "calls" in ins.attrs else []
+                callee = computation_names(ins.attrs["calls"]) if "calls" in ins.attrs else []
                 wrapped = [c for c in callee if c in self.m.comps and _has_collective(self.m.comps[c])]
                 if is_start and wrapped:
                     for c in wrapped:
@@ -815,23 +826,23 @@ class _Walker:
                     continue
                 self.emit(ins, kind, is_start, comp, consumers, mult, per_iter, ctx, path)
             elif ins.opcode == "while":
-                n = _trip_count(ins.attrs)
+                n = trip_count(ins.attrs)
                 if n is None:
                     label, m2, p2 = "while body (trip count unknown, per iteration)", mult, True
                     clabel, cm = "while condition (trip count unknown, per iteration)", mult
                 else:
                     label, m2, p2 = f"while body x{n}", mult * n, per_iter
                     clabel, cm = f"while condition x{n + 1}", mult * (n + 1)
-                for c in _comp_names(ins.attrs.get("body", "")):
+                for c in computation_names(ins.attrs.get("body", "")):
                     self.walk(c, m2, p2, ctx + (label,), path, here, stack)
-                for c in _comp_names(ins.attrs.get("condition", "")):
+                for c in computation_names(ins.attrs.get("condition", "")):
                     self.walk(c, cm, p2, ctx + (clabel,), path, here, stack)
             elif ins.opcode == "conditional":
                 if "branch_computations" in ins.attrs:
-                    branches = _comp_names(ins.attrs["branch_computations"])
+                    branches = computation_names(ins.attrs["branch_computations"])
                     labels = [str(i) for i in range(len(branches))]
                 else:
-                    branches = _comp_names(ins.attrs.get("true_computation", "")) + _comp_names(
+                    branches = computation_names(ins.attrs.get("true_computation", "")) + computation_names(
                         ins.attrs.get("false_computation", "")
                     )
                     labels = ["0 (true)", "1 (false)"][: len(branches)]
@@ -853,7 +864,7 @@ class _Walker:
                     "custom-call": ("called_computations",),
                 }[ins.opcode]
                 for k in keys:
-                    for c in _comp_names(ins.attrs.get(k, "")):
+                    for c in computation_names(ins.attrs.get(k, "")):
                         self.walk(c, mult, per_iter, ctx, path, here, stack)
 
     def emit(self, ins, kind, is_start, comp, consumers, mult, per_iter, ctx, path):
@@ -876,7 +887,7 @@ class _Walker:
             return
         dtypes = tuple(d for d, _ in arrays)
         shapes = tuple(s for _, s in arrays)
-        payload = sum(_nbytes(d, s) for d, s in arrays)
+        payload = sum(array_bytes(d, s) for d, s in arrays)
         n = _group_size(kind, ins.attrs, self.m.replica_count, self.m.num_partitions)
         per_dev = _ring_bytes(kind, n, payload)
         uniq = sorted(set(dtypes), key=dtypes.index)
@@ -906,7 +917,7 @@ class _Walker:
         )
 
 
-def _op_name(ins: _Instr) -> str:
+def _op_name(ins: Instruction) -> str:
     """The JAX source op an instruction came from (its metadata's ``op_name``), or ""."""
     om = re.search(r'op_name="((?:[^"\\]|\\.)*)"', ins.attrs.get("metadata", ""))
     return om.group(1) if om else ""
@@ -949,7 +960,7 @@ def collective_bytes(compiled: Any) -> CollectiveReport:
 def _report_of_text(text: str) -> CollectiveReport:
     # parsing is pure Python (about 0.7 s for a small step program); a process that builds the same
     # program again (a resumed trainer, a test's second run) reads the report back
-    module = _parse_module(text)
+    module = parse_module(text)
     ops = _Walker(module).run()
     return CollectiveReport(
         ops=ops,
@@ -1003,23 +1014,23 @@ def unordered_collectives(compiled: Any) -> list[UnorderedCollectives]:
     ``compiled``: as for :func:`collective_bytes`. Returns an empty list for a program whose collectives
     run in one order on every device.
     """
-    module = _parse_module(_hlo_text(compiled), every_instruction=True)
+    module = parse_module(_hlo_text(compiled), every_instruction=True)
     holds: dict[str, bool] = {}
 
-    def callees(ins: _Instr) -> list[str]:
-        if ins.opcode in ("fusion",) or _collective_kind(ins.opcode)[0] is not None:
+    def callees(ins: Instruction) -> list[str]:
+        if ins.opcode in ("fusion",) or collective_kind(ins.opcode)[0] is not None:
             return []
-        return [c for k in _CALLEE_KEYS if k in ins.attrs for c in _comp_names(ins.attrs[k]) if c in module.comps]
+        return [c for k in _CALLEE_KEYS if k in ins.attrs for c in computation_names(ins.attrs[k]) if c in module.comps]
 
-    def is_site(ins: _Instr) -> bool:
-        kind, _ = _collective_kind(ins.opcode)
+    def is_site(ins: Instruction) -> bool:
+        kind, _ = collective_kind(ins.opcode)
         if kind is not None:
             return synchronizes(ins)
         if ins.opcode.endswith("-done") or ins.opcode.endswith("-update"):
             return False
         return any(comp_holds(c) for c in callees(ins))
 
-    def synchronizes(ins: _Instr) -> bool:  # a collective whose every group is one device waits for no other
+    def synchronizes(ins: Instruction) -> bool:  # a collective whose every group is one device waits for no other
         groups = replica_groups(ins.attrs.get("replica_groups"))
         return ins.opcode == "collective-permute" or groups is None or any(len(g) > 1 for g in groups)
 
@@ -1027,7 +1038,7 @@ def unordered_collectives(compiled: Any) -> list[UnorderedCollectives]:
         if name not in holds:
             if name in stack:
                 return False
-            holds[name] = any((_collective_kind(i.opcode)[0] is not None and synchronizes(i))
+            holds[name] = any((collective_kind(i.opcode)[0] is not None and synchronizes(i))
                               or any(comp_holds(c, stack + (name,)) for c in callees(i))
                               for i in module.comps[name].instrs)
         return holds[name]
@@ -1042,7 +1053,7 @@ def unordered_collectives(compiled: Any) -> list[UnorderedCollectives]:
         seen.add(name)
         comp = module.comps[name]
         index = {ins.name: i for i, ins in enumerate(comp.instrs)}
-        preds = [[index[o] for o in ins.operands + _comp_names(ins.attrs.get("control-predecessors", ""))
+        preds = [[index[o] for o in ins.operands + computation_names(ins.attrs.get("control-predecessors", ""))
                   if o in index] for ins in comp.instrs]
         ancestors: list[int | None] = [None] * len(comp.instrs)
         for root in range(len(comp.instrs)):  # iterative DFS: a bit set of ancestors per instruction

@@ -218,7 +218,7 @@ def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce,
     require_int("bucket_size", bucket_size, "a positive number of values, or None (one bucket)", allow_none=True)
 
 
-def _device_axes(leaves, axis_name):
+def state_axes(leaves, axis_name):
     """The mesh axes per-device state varies over: ``axis_name`` and every axis the leaves vary over."""
     varying = set().union(*(specs.varying_axes(x) for x in leaves)) if leaves else set()
     return tuple(a for a in specs.manual_axes() if a == axis_name or a in varying)
@@ -262,7 +262,7 @@ def global_all_finite(tree, axes=None):
     return flag.astype(bool)
 
 
-def _rounded(x, never):
+def rounded_apart(x, never):
     """``x``, rounded as its own operation: a select on ``never`` (a flag that is always false but that the
     compiler cannot fold) stands between ``x`` and whatever consumes it.
 
@@ -276,8 +276,8 @@ def _rounded(x, never):
 
 
 def _moving_average(old, new, beta, never):
-    """``beta * old + (1 - beta) * new``, each product rounded before the sum (:func:`_rounded`)."""
-    return _rounded(beta * old, never) + _rounded((1.0 - beta) * new, never)
+    """``beta * old + (1 - beta) * new``, each product rounded before the sum (:func:`rounded_apart`)."""
+    return rounded_apart(beta * old, never) + rounded_apart((1.0 - beta) * new, never)
 
 
 def error_feedback(e, h, sent, *, beta, error_bits, block_size=quant.DEFAULT_BLOCK_SIZE, never=False):
@@ -289,9 +289,9 @@ def error_feedback(e, h, sent, *, beta, error_bits, block_size=quant.DEFAULT_BLO
     (``DQ(Q_b(h))``); ``beta = 0`` is plain error feedback, LoCo's default 0.8 a moving average of the
     compression errors. ``Q_e`` is :func:`loco_jax.quant.store` at ``error_bits`` (None: fp32). Returns its
     ``(values, scales)``. ``never``: a traced flag that is always false, for programs that must round
-    alike (:func:`_rounded`); LoCo, its in-backward exchange and DiLoCo's compensated exchange all pass one.
+    alike (:func:`rounded_apart`); LoCo, its in-backward exchange and DiLoCo's compensated exchange all pass one.
     """
-    return quant.store(_moving_average(e, h - _rounded(sent, never), beta, never), error_bits, block_size=block_size)
+    return quant.store(_moving_average(e, h - rounded_apart(sent, never), beta, never), error_bits, block_size=block_size)
 
 
 def _select(ok, new, old):
@@ -542,7 +542,7 @@ class BucketStep(NamedTuple):
         leaves, treedef = jax.tree.flatten(params)
         # The error buffers vary as the gradients will: over axis_name and over every axis the
         # parameters vary over (e.g. DiLoCo's replica axis), so the updates keep the parameters' type.
-        device_axes = _device_axes(leaves, self.axis_name)
+        device_axes = state_axes(leaves, self.axis_name)
         if self.fast_axis is not None:  # hierarchical: each fast device keeps the errors of its own shard
             device_axes = tuple(a for a in specs.manual_axes() if a in device_axes or a == self.fast_axis)
 
@@ -728,7 +728,7 @@ class BucketStep(NamedTuple):
         """Every bucket of the gradients, in order: the outputs per leaf and the new error buffers."""
         m = coll.axis_size(self.axis_name)
         flat, stack = self.layout([tuple(leaf.shape) for leaf in leaves], dims, labels, m)
-        axes = _device_axes(leaves, self.axis_name)  # noise independent wherever gradients differ (DiLoCo replicas too)
+        axes = state_axes(leaves, self.axis_name)  # noise independent wherever gradients differ (DiLoCo replicas too)
         pieces = [[] for _ in leaves]
         slots = []
         previous = None

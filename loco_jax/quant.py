@@ -149,7 +149,7 @@ def _gaussian_cell_mse(levels):
     return float(np.sum(m2 - 2 * levels * m1 + levels**2 * m0))
 
 
-def _lloyd_max(n, iters=3000):
+def lloyd_max(n, iters=3000):
     """Lloyd-Max levels of N(0, 1) with n levels (fixed point of centroid / midpoint), ascending."""
     levels = np.linspace(-2.0, 2.0, n) if n > 2 else np.array([-1.0, 1.0])
     for _ in range(iters):
@@ -163,7 +163,7 @@ def _uniform_levels(n, step):
     return (np.arange(n) + 0.5 - n / 2) * step
 
 
-def _uniform_step(n):
+def uniform_step(n):
     """The MSE-optimal step of an n-level mid-rise uniform quantizer of N(0, 1) (golden-section search)."""
     lo, hi = 1e-3, 4.0
     g = (math.sqrt(5) - 1) / 2
@@ -173,7 +173,7 @@ def _uniform_step(n):
     return (lo + hi) / 2
 
 
-# Unit-Gaussian tables, stored as the float64 values that ``_uniform_step`` and ``_lloyd_max`` compute
+# Unit-Gaussian tables, stored as the float64 values that ``uniform_step`` and ``lloyd_max`` compute
 # (tests/test_formats.py recomputes both and compares to 1e-13: NumPy's exp differs in the last bits between
 # CPUs), so importing the library costs nothing and every machine uses the same levels:
 # UNIFORM_STEP[b]: the MSE-optimal mid-rise step for 2**b levels (0.9957 at 2 bits, 0.3352 at 4);
@@ -405,7 +405,7 @@ def dequantize(codes, scales, bits, *, format="int"):
     return val * scales
 
 
-def _column_signs(cols, seed):
+def column_signs(cols, seed):
     """+-1 for each column, a hash of (column, seed): the same on every device, nothing stored."""
     seed = jnp.uint32(seed % 2**32) if isinstance(seed, (int, np.integer)) else jnp.asarray(seed, jnp.uint32)
     h = lax.iota(jnp.uint32, cols) * jnp.uint32(0x9E3779B1) + seed
@@ -417,7 +417,7 @@ def _column_signs(cols, seed):
     return 1.0 - 2.0 * (h >> 31).astype(jnp.float32)
 
 
-def _sylvester(n):
+def sylvester(n):
     """The ``n x n`` Walsh-Hadamard matrix of +-1 (Sylvester order: entry ``(i, j)`` is ``(-1)^popcount(i & j)``)."""
     h = np.ones((1, 1), np.float32)
     while len(h) < n:
@@ -425,7 +425,7 @@ def _sylvester(n):
     return h
 
 
-def _hadamard(x, n):
+def block_hadamard(x, n):
     """``x @ H_n / sqrt(n)`` on every block of ``n`` values of the last axis.
 
     With ``n = a b`` and a block read as the ``a x b`` matrix ``X`` (row-major), ``H_n = H_a (x) H_b`` gives
@@ -434,7 +434,7 @@ def _hadamard(x, n):
     """
     a = 1 << ((n.bit_length() - 1) // 2)
     b = n // a
-    y = jnp.einsum("ij,rjk,kl->ril", _sylvester(a), x.reshape(-1, a, b), _sylvester(b),
+    y = jnp.einsum("ij,rjk,kl->ril", sylvester(a), x.reshape(-1, a, b), sylvester(b),
                    precision=lax.Precision.HIGHEST)
     return (y.reshape(x.shape) * np.float32(1.0 / math.sqrt(n))).astype(x.dtype)
 
@@ -448,13 +448,13 @@ def rotate(x, block_size=DEFAULT_BLOCK_SIZE, seed=0):
     cols = x.shape[-1]
     if cols % block_size:
         raise ValueError(f"a row of {cols} values is not a whole number of blocks of {block_size}.")
-    return _hadamard(x * _column_signs(cols, seed), block_size)
+    return block_hadamard(x * column_signs(cols, seed), block_size)
 
 
 def unrotate(y, block_size=DEFAULT_BLOCK_SIZE, seed=0):
     """Inverse of :func:`rotate`: ``(y @ H / sqrt(n)) * S`` (``H`` is symmetric and ``H H = n I``)."""
     cols = y.shape[-1]
-    return _hadamard(y, block_size) * _column_signs(cols, seed)
+    return block_hadamard(y, block_size) * column_signs(cols, seed)
 
 
 def finite_blocks(scales):

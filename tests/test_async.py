@@ -133,7 +133,7 @@ def test_a_resumed_row_averages_the_carried_steps_but_times_only_the_new_ones(mo
     uninterrupted run logs it); its tokens/s counts only the steps run since the resume."""
     clock = iter([100.0, 102.0])  # the window opens at 100 s; the row is logged at 102 s
     monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
-    window = loop._Window(tokens_per_step=64)
+    window = loop.StepWindow(tokens_per_step=64)
     window.carry_unlogged([[7, 3.0, 0.5], [8, 5.0, 0.5]])  # read before the checkpoint, not yet logged
     window.add(9, {"loss": jax.numpy.float32(1.0), "grad_rms": jax.numpy.float32(0.5),
                    "skipped": jax.numpy.int32(0)})

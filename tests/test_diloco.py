@@ -117,7 +117,7 @@ def test_h1_sgd_outer_lr1_equals_data_parallel_sgd(mesh):
         chex.assert_trees_all_close(jax.tree.map(np.asarray, diloco.global_params(run.state)), ref, rtol=1e-5, atol=1e-6)
 
 
-def _plain_inner(xs, ys, steps, tx):
+def plain_inner(xs, ys, steps, tx):
     """The inner optimizer alone on replica 0's data (full batch of its D devices)."""
     params = make_params()
     state = tx.init(params)
@@ -137,7 +137,7 @@ def test_identical_data_alpha1_reproduces_the_inner_optimizer(mesh, sync_every, 
     xs, ys = make_data(steps, same_on_replicas=True)
     for t in range(1, steps + 1):
         run.step(t, xs[t - 1], ys[t - 1])
-    want = _plain_inner(xs, ys, steps, optax.adamw(0.02, b1=0.9, b2=0.95, weight_decay=0.1))
+    want = plain_inner(xs, ys, steps, optax.adamw(0.02, b1=0.9, b2=0.95, weight_decay=0.1))
     for r in range(M):
         chex.assert_trees_all_close(local(run.params, r), want, rtol=2e-5, atol=2e-6)
 

@@ -22,7 +22,8 @@ from loco_jax.training.loop import train_and_evaluate
 from loco_jax.training.metrics import read_metrics
 from loco_jax.training.trainer import Trainer
 from loco_jax.training import checkpoints
-from tests.test_trainer import ROOT, _env, quiet, small_config, text_file, write_config_file  # noqa: F401
+from tests.test_trainer import quiet, small_config, text_file, write_config_file  # noqa: F401
+from tests.helpers import ROOT, subprocess_env
 
 STOP = 6  # fragment 0 syncs after step 6 and is applied in step 7's program (tau = 1): nothing in flight at 6
 
@@ -118,7 +119,7 @@ def test_data_four_to_two_in_a_process_with_four_devices(first_half, tmp_path):
         # one step past the checkpoint (fragment 0's outer update is applied in it): it trains on, and a
         # step program for the new mesh compiles in about 18 s on 2 cores, so one is enough
         [sys.executable, "train.py", "--config", config, "--workdir", workdir, "--local-devices", "4", "--set", "steps=7"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=subprocess_env(),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
@@ -195,7 +196,7 @@ def test_checkpoint_that_does_not_fit_on_its_own_mesh_is_refused_by_name(first_h
     # e.g. a checkpoint from a version with another state layout: named before orbax sees a mismatched target
     src, cfg, before = first_half
     workdir = _copy(src, str(tmp_path / "run"))
-    real = checkpoints._saved_leaves
+    real = checkpoints.saved_leaves
 
     def older_layout(manager, step, item):
         leaves = real(manager, step, item)
@@ -203,7 +204,7 @@ def test_checkpoint_that_does_not_fit_on_its_own_mesh_is_refused_by_name(first_h
             leaves[INFLIGHT] = jax.ShapeDtypeStruct((17408,), np.float32)
         return leaves
 
-    monkeypatch.setattr(checkpoints, "_saved_leaves", older_layout)
+    monkeypatch.setattr(checkpoints, "saved_leaves", older_layout)
     with pytest.raises(ValueError, match=r"another version of loco-jax: its state leaf '.opt_state.inflight' is "
                                          r"shape \(17408,\) where .* needs shape \(4,\). Start a new --workdir"):
         train_and_evaluate(cfg, workdir, log=quiet)

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from loco_jax.training import checkpoints, failure
-from tests.test_trainer import _env, _free_port, _train_cmd, small_config, text_file, write_config_file  # noqa: F401
+from tests.test_trainer import small_config, text_file, write_config_file  # noqa: F401
+from tests.helpers import free_port, subprocess_env, train_cmd
 
 STALL_AT = 7  # the step whose outputs the stalling train.py below never delivers (a quiet step: 7 % 2 != 0)
 
@@ -47,12 +48,12 @@ def test_a_dead_peer_ends_the_survivor_with_one_message_and_rerunning_both_resum
     cfg = small_config(text_file, steps=steps, checkpoint_every=10, eval_every=steps, log_every=2,
                        **{"mesh.replicas": 1, "diloco.enabled": False})
     config_path = write_config_file(tmp_path / "cfg.py", cfg)
-    workdir, port, heartbeat = str(tmp_path / "run"), _free_port(), 5
-    cmd = lambda i: _train_cmd(config_path, workdir, "--coordinator", f"localhost:{port}", "--num-processes", "2",
+    workdir, port, heartbeat = str(tmp_path / "run"), free_port(), 5
+    cmd = lambda i: train_cmd(config_path, workdir, "--coordinator", f"localhost:{port}", "--num-processes", "2",
                                "--process-id", str(i), "--local-devices", "4", "--heartbeat-timeout", str(heartbeat))
     alive = 1 - victim
     # process 1 prints little (no step lines): its pipe never fills while only process 0's is read
-    procs = [subprocess.Popen(cmd(i), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen(cmd(i), env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     seen = []
     for line in procs[0].stdout:
@@ -81,7 +82,7 @@ def test_a_dead_peer_ends_the_survivor_with_one_message_and_rerunning_both_resum
     if victim == 0:
         return  # the rerun after a dead peer is the same two fresh processes either way: run once, below
 
-    procs = [subprocess.Popen(cmd(i), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen(cmd(i), env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
@@ -99,7 +100,7 @@ def test_a_stalled_step_is_caught_by_the_watchdog_and_a_rerun_resumes(text_file,
     workdir = str(tmp_path / "run")
     start = time.monotonic()
     stalled = subprocess.run([sys.executable, __file__, "--config", config_path, "--workdir", workdir,
-                              "--step-timeout", str(timeout)], env=_env(), capture_output=True, text=True,
+                              "--step-timeout", str(timeout)], env=subprocess_env(), capture_output=True, text=True,
                              timeout=600)
     out = stalled.stdout + stalled.stderr
     assert stalled.returncode == failure.EXIT_STEP_TIMEOUT, out[-3000:]
@@ -115,7 +116,7 @@ def test_a_stalled_step_is_caught_by_the_watchdog_and_a_rerun_resumes(text_file,
     assert checkpoints.complete_checkpoint_steps(workdir) == [4]
     assert not [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if not n.isdigit()], "a half checkpoint"
 
-    rerun = subprocess.run(_train_cmd(config_path, workdir), env=_env(), capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(train_cmd(config_path, workdir), env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
     assert "resumed from checkpoint at step 4" in rerun.stdout
     _assert_finished_once(workdir, steps)

@@ -31,14 +31,14 @@ def test_stored_gaussian_tables_are_what_the_library_computes():
     up to 5e-15 relative apart on two machines (2026-12-04); a float32 table differs by at most one ulp. The
     stored values are what every machine uses."""
     for b in quant.FORMAT_BITS["lloyd"]:
-        computed = quant._lloyd_max(2**b)
+        computed = quant.lloyd_max(2**b)
         assert computed.dtype == quant.LLOYD_LEVELS[b].dtype, b
         np.testing.assert_allclose(computed, quant.LLOYD_LEVELS[b], rtol=1e-13, atol=0, err_msg=str(b))
         np.testing.assert_array_max_ulp(computed.astype(np.float32), quant.LLOYD_LEVELS[b].astype(np.float32), 1)
     for b in quant.FORMAT_BITS["uniform"]:
         # a golden-section argmin of a smooth minimum is fixed only to about sqrt(eps) of the step: near the
         # end two nearly equal errors decide the bracket (1e-10 relative apart on two machines)
-        assert quant._uniform_step(2**b) == pytest.approx(quant.UNIFORM_STEP[b], rel=1e-8, abs=0), b
+        assert quant.uniform_step(2**b) == pytest.approx(quant.UNIFORM_STEP[b], rel=1e-8, abs=0), b
 
 
 @pytest.mark.parametrize("bits,fmt", FITTED)
@@ -92,7 +92,7 @@ def test_fitted_encode_decode_round_trip(bits, fmt):
 def test_rotation_is_the_randomized_hadamard_transform(block):
     x = gaussian((3, 4 * block), seed=block)
     got = np.asarray(quant.rotate(jnp.asarray(x), block, seed=11))
-    signs = np.asarray(quant._column_signs(4 * block, 11))
+    signs = np.asarray(quant.column_signs(4 * block, 11))
     assert set(np.unique(signs)) == {-1.0, 1.0}
     want = reference.randomized_hadamard(x.reshape(3, 4, block), signs.reshape(4, block)).reshape(3, -1)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -107,10 +107,10 @@ def test_kronecker_transform_is_the_hadamard_matmul_to_float32_rounding(block):
     """``H_a X H_b`` is ``x @ H_n`` (scipy's Sylvester matrix, float64) up to float32 rounding of 32 terms."""
     from scipy.linalg import hadamard
 
-    np.testing.assert_array_equal(quant._sylvester(block), hadamard(block))
+    np.testing.assert_array_equal(quant.sylvester(block), hadamard(block))
     x = (gaussian((3, 2 * block), seed=block) * 1e3).astype(np.float32)
     want = reference.randomized_hadamard(x.reshape(-1, block), 1.0).reshape(x.shape)
-    got = np.asarray(quant._hadamard(jnp.asarray(x), block))
+    got = np.asarray(quant.block_hadamard(jnp.asarray(x), block))
     assert got.dtype == np.float32
     scale = np.linalg.norm(x.reshape(-1, block), axis=1).repeat(block).reshape(x.shape)
     assert np.max(np.abs(got - want) / scale) < 1e-6

@@ -68,7 +68,7 @@ def test_error_update_and_reset_match_numpy(data_mesh, kwargs):
     e2 = np.zeros((M, n // M), np.float32) if kwargs.get("compensate_second_stage") else None
     rotation = None
     if kwargs.get("rotate"):  # the bucket is (M, n / M): row j is chunk j, each row rotated by the same column signs
-        signs = np.asarray(quant._column_signs(n // M, collectives.QuantConfig(seed=0).rotation_seed(0))).reshape(-1, 256)
+        signs = np.asarray(quant.column_signs(n // M, collectives.QuantConfig(seed=0).rotation_seed(0))).reshape(-1, 256)
         rot = lambda v: reference.randomized_hadamard(v.reshape(M, -1, 256), signs).reshape(v.shape)
         unrot = lambda v: (reference.randomized_hadamard(v.reshape(M, -1, 256), 1.0) * signs).reshape(v.shape)
         rotation = (rot, unrot)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from loco_jax import diloco, hlo, quant, sparse
 from tests.helpers import DEVICES, per_device, put
 from tests.test_trainer import text_file  # noqa: F401 (a fixture)
-from tests.test_diloco import D, M, Run, _plain_inner, inner_adamw, local, make_data, make_params
+from tests.test_diloco import D, M, Run, plain_inner, inner_adamw, local, make_data, make_params
 
 
 def distinct(n, seed=0):
@@ -328,7 +328,7 @@ def test_diloco_sparse_with_identical_replicas_and_alpha_one_reproduces_the_inne
     xs, ys = make_data(9, same_on_replicas=True)
     for t in range(1, 10):
         run.step(t, xs[t - 1], ys[t - 1])
-    want = _plain_inner(xs, ys, 9, optax.adamw(0.02, b1=0.9, b2=0.95, weight_decay=0.1))
+    want = plain_inner(xs, ys, 9, optax.adamw(0.02, b1=0.9, b2=0.95, weight_decay=0.1))
     for r in range(M):
         chex.assert_trees_all_close(local(run.params, r), want, rtol=2e-5, atol=2e-6)
 

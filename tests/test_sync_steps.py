@@ -19,7 +19,8 @@ from loco_jax.training import loop
 from loco_jax.training.loop import train_and_evaluate
 from loco_jax.training.metrics import read_metrics
 from loco_jax.training.trainer import Trainer
-from tests.test_trainer import _env, _free_port, _train_cmd, quiet, small_config, text_file, write_config_file  # noqa: F401
+from tests.test_trainer import quiet, small_config, text_file, write_config_file  # noqa: F401
+from tests.helpers import free_port, subprocess_env, train_cmd
 
 
 class _CountingPrograms(dict):
@@ -45,15 +46,15 @@ def test_a_sync_step_reads_every_step_since_the_last_in_one_program(text_file, t
         self._programs = _CountingPrograms(self._programs)
         trainers.append(self)
 
-    read = loop._Window.read
+    read = loop.StepWindow.read
 
     def counted_read(self):
         before, outs = trainers[0]._programs.taken, [o for _, o in self.on_device]
         read(self)
-        reads.append((trainers[0]._programs.taken - before, len(outs), loop._read_on_host(outs), list(self.host)))
+        reads.append((trainers[0]._programs.taken - before, len(outs), loop.read_on_host(outs), list(self.host)))
 
     monkeypatch.setattr(Trainer, "__init__", counting_init)
-    monkeypatch.setattr(loop._Window, "read", counted_read)
+    monkeypatch.setattr(loop.StepWindow, "read", counted_read)
     cfg = small_config(text_file, log_every=12, eval_every=12, checkpoint_every=12)  # test_trainer's programs
     train_and_evaluate(cfg, str(tmp_path / "run"), log=quiet)
     (taken, n, on_host, host), = reads
@@ -102,7 +103,7 @@ def test_every_program_of_a_two_replica_run_orders_its_collectives(text_file, tm
     train_and_evaluate(cfg, workdir, log=quiet, stop_after=6)
     train_and_evaluate(cfg, workdir, log=quiet)  # resumed: the check of the global parameters
     names = [name for name, _ in compiled]
-    assert {"train_step_program", "_replica_gap", "read_program", "eval_program"} <= set(names), names
+    assert {"train_step_program", "replica_gap", "read_program", "eval_program"} <= set(names), names
     assert names.count("train_step_program") >= 4, names  # three exchange phases and the quiet one
     assert all(hlo.collective_bytes(text).ops for name, text in compiled if name == "train_step_program")
     bad = [(name, [str(p) for p in hlo.unordered_collectives(text)]) for name, text in compiled]
@@ -151,7 +152,7 @@ def test_the_replica_check_chains_its_collectives(text_file, tmp_path):
     t = Trainer(small_config(text_file), str(tmp_path), log=quiet)
     state = t.init_state()
     spec = t.param_specs
-    chained = jax.jit(jax.shard_map(loop._replica_gap, mesh=t.mesh, in_specs=(spec,), out_specs=jax.sharding.PartitionSpec(),
+    chained = jax.jit(jax.shard_map(loop.replica_gap, mesh=t.mesh, in_specs=(spec,), out_specs=jax.sharding.PartitionSpec(),
                                     check_vma=False)).lower(state.params).compile()
     assert hlo.unordered_collectives(chained) == []
 
@@ -177,7 +178,7 @@ def test_log_every_100_completes_alone_beside_busy_cores_and_across_two_processe
     config_path = write_config_file(tmp_path / "cfg.py", cfg)
 
     def run(workdir, *extra):
-        return subprocess.Popen(_train_cmd(config_path, str(tmp_path / workdir), *extra), env=_env(),
+        return subprocess.Popen(train_cmd(config_path, str(tmp_path / workdir), *extra), env=subprocess_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def finish(procs):
@@ -188,7 +189,7 @@ def test_log_every_100_completes_alone_beside_busy_cores_and_across_two_processe
     finish([run("alone")])
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])]
     try:
-        port = _free_port()
+        port = free_port()
         finish([run("busy")] + [run("multi", "--coordinator", f"localhost:{port}", "--num-processes", "2",
                                     "--process-id", str(i), "--local-devices", "4") for i in range(2)])
     finally:

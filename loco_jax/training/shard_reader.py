@@ -37,7 +37,7 @@ from loco_jax.training.shard_format import MANIFEST, OPEN_SHARDS, SPLITS, DTYPES
 from loco_jax.training.tokenizers import ByteTokenizer, SentencePieceTokenizer
 
 
-_WILLNEED = getattr(mmap, "MADV_WILLNEED", None)  # Linux, macOS; elsewhere reads are not announced
+WILLNEED = getattr(mmap, "MADV_WILLNEED", None)  # Linux, macOS; elsewhere reads are not announced
 
 
 class _MapCache:
@@ -70,14 +70,14 @@ class _MapCache:
     def advise(self, k: int, lo, hi):
         """Tells the kernel that tokens ``[lo[i], hi[i])`` of shard ``k`` will be read soon (``MADV_WILLNEED``):
         it starts reading them from storage in the background, all the ranges at once."""
-        if _WILLNEED is None:
+        if WILLNEED is None:
             return
         mm = self._entry(k)[0]
         size, page = self.dtype.itemsize, mmap.PAGESIZE
         start = np.asarray(lo, np.int64) * size // page * page
         stop = np.minimum(np.asarray(hi, np.int64) * size, len(mm))
         for a, n in zip(start.tolist(), (stop - start).tolist()):
-            mm.madvise(_WILLNEED, a, n)
+            mm.madvise(WILLNEED, a, n)
 
 
 class ShardedTokens:
@@ -184,7 +184,7 @@ class ShardedTokens:
         so their reads overlap the current step."""
         starts = np.asarray(starts, dtype=np.int64).reshape(-1)
         length = int(length)
-        if not starts.size or _WILLNEED is None or length < 1:
+        if not starts.size or WILLNEED is None or length < 1:
             return
         lo = np.clip(starts, 0, max(0, len(self) - length)) + self._start
         hi = np.minimum(lo + length, self._stop)

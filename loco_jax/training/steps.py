@@ -381,14 +381,14 @@ def _exchange_after_backward(ex, bk: _Buckets, local, acc, accum_steps, loco_sta
     does not overlap a collective with a loop that holds collectives, and XLA:CPU, which runs independent
     collectives in no fixed order, would race them with the stack's: they follow ``after``."""
     means, slots, squares, previous = {}, [], [], after
-    axes_of = loco._device_axes(local[0], ex.axis_name) if local else ()
+    axes_of = loco.state_axes(local[0], ex.axis_name) if local else ()
     for b, idx in enumerate(bk.members_of):
-        grads = backward._accumulate(local[b], None if acc is None else [acc[i] for i in idx], accum_steps)
+        grads = backward.accumulate(local[b], None if acc is None else [acc[i] for i in idx], accum_steps)
         grads = coll.after(grads, previous)  # XLA:CPU: one exchange at a time, after the stack's
         outs, slot = ex.bucket(b, grads, bk.dims_of[b], ex.slot_of(loco_state, b), step, axes_of)
         means.update(zip(idx, outs))
         slots.append(slot)
-        squares.append(backward._square_norm(grads))
+        squares.append(backward.square_norm(grads))
         previous = outs
     return means, slots, squares
 

@@ -49,7 +49,7 @@ def _require_sentencepiece():
     return sentencepiece
 
 
-def _texts_digest(texts: Iterable[str], **options) -> str:
+def texts_digest(texts: Iterable[str], **options) -> str:
     h = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
     for t in texts:
         b = t.encode("utf-8")
@@ -93,7 +93,7 @@ class SentencePieceTokenizer:
         spm = _require_sentencepiece()
         if isinstance(texts, str):
             texts = [texts]
-        digest = _texts_digest(texts, vocab_size=vocab_size, model="bpe", v=1)
+        digest = texts_digest(texts, vocab_size=vocab_size, model="bpe", v=1)
         if cache_path is not None:
             cache_path = Path(cache_path)
             meta_path = cache_path.with_name(cache_path.name + ".json")

@@ -27,7 +27,7 @@ from loco_jax.training.corpus import (
 )
 from loco_jax.training.shard_format import DTYPES, holds_shard_files, is_shard_dir
 from loco_jax.training.shard_reader import open_shards
-from loco_jax.training.tokenizers import ByteTokenizer, SentencePieceTokenizer, _texts_digest, get_tokenizer
+from loco_jax.training.tokenizers import ByteTokenizer, SentencePieceTokenizer, texts_digest, get_tokenizer
 
 
 
@@ -192,7 +192,7 @@ def load_data(
             if vocab_size is None:
                 raise ValueError(f"tokenizer {tokenizer!r} needs vocab_size.")
             if tokenizer_cache is None:
-                digest = _texts_digest(corpus.train_texts)[:16]
+                digest = texts_digest(corpus.train_texts)[:16]
                 tokenizer_cache = data_cache_root() / "tokenizers" / f"spm-{digest}-{vocab_size}.model"
             tok = get_tokenizer(tokenizer, texts=corpus.train_texts, vocab_size=vocab_size, cache_path=tokenizer_cache)
     else:

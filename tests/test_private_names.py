@@ -1,0 +1,75 @@
+"""No module reaches into another's private names (issue 42): a name that starts with ``_`` is used only in
+the module that defines it. Read from the syntax trees of every Python file of the project (library,
+benchmarks, tests, the two scripts): attribute reads ``module._name`` through an imported project module,
+``from module import _name``, and ``monkeypatch.setattr(module, "_name", ...)``."""
+
+import ast
+import os
+
+from tests.helpers import ROOT
+
+SOURCES = ("loco_jax", "benchmarks", "tests", "train.py", "prepare_data.py")
+
+
+def project_files():
+    for top in SOURCES:
+        path = os.path.join(ROOT, top)
+        if path.endswith(".py"):
+            yield path
+            continue
+        for folder, _, names in os.walk(path):
+            yield from (os.path.join(folder, n) for n in sorted(names) if n.endswith(".py"))
+
+
+def module_name(path):
+    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def private(name):
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_uses(path, modules):
+    """``(line, "module._name")`` for every use in ``path`` of another project module's private name."""
+    tree = ast.parse(open(path).read(), path)
+    me, alias, found = module_name(path), {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in modules:
+                    alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in modules:
+                    alias[a.asname or a.name] = full
+                elif node.module in modules and node.module != me and private(a.name):
+                    found.append((node.lineno, f"{node.module}.{a.name}"))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in alias
+                and private(node.attr) and alias[node.value.id] != me):
+            found.append((node.lineno, f"{alias[node.value.id]}.{node.attr}"))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setattr"
+                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id in alias
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                and private(node.args[1].value)):
+            found.append((node.lineno, f"{alias[node.args[0].id]}.{node.args[1].value} (setattr)"))
+    return sorted(found)
+
+
+def test_no_module_uses_another_modules_private_names():
+    files = list(project_files())
+    modules = {module_name(p) for p in files} | {"loco_jax", "tests", "benchmarks"}
+    found = [f"{os.path.relpath(p, ROOT)}:{line}: {name}" for p in files for line, name in private_uses(p, modules)]
+    assert not found, "private names used outside their module:\n" + "\n".join(found)
+
+
+def test_the_check_sees_each_kind_of_use(tmp_path):
+    """The three forms the check reads are each reported (so an empty report above means none is there)."""
+    path = tmp_path / "probe.py"
+    path.write_text("from loco_jax import quant\nfrom loco_jax.hlo import _dims\nimport loco_jax.sparse\n"
+                    "quant._hadamard(1, 2)\nmonkeypatch.setattr(quant, '_lloyd_max', None)\nquant.__name__\n")
+    modules = {"loco_jax", "loco_jax.quant", "loco_jax.hlo", "loco_jax.sparse"}
+    assert [name for _, name in private_uses(str(path), modules)] == [
+        "loco_jax.hlo._dims", "loco_jax.quant._hadamard", "loco_jax.quant._lloyd_max (setattr)"]

@@ -52,7 +52,7 @@ def check(sets, text_file, workdir):
     """``[(phase, pairs)]`` for one layout: its quiet step and its first exchange phase."""
     from loco_jax import hlo
     from loco_jax.training.trainer import Trainer
-    from tests.test_trainer import small_config
+    from tests.helpers import small_config
 
     t = Trainer(small_config(text_file, **sets), workdir, log=lambda *a, **k: None)
     state, batch = t.init_state(), t.abstract_batch()

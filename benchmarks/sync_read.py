@@ -27,7 +27,7 @@ def main(argv=None):
 
     from loco_jax.training import loop
     from loco_jax.training.trainer import Trainer
-    from tests.test_trainer import small_config
+    from tests.helpers import small_config
 
     class Counting(dict):
         taken = 0

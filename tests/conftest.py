@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices, set before jax is imported."""
 
 import os
+import random
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -21,6 +22,22 @@ def mesh():
     """The (replica, data) = (2, 4) mesh every multi-device test runs on."""
     assert jax.device_count() == 8, "tests need 8 simulated CPU devices"
     return jax.make_mesh((2, 4), ("replica", "data"))
+
+
+WORDS = (
+    "the of and to a in that is was he for it with as his on be at by this had not are but from or have an they "
+    "which one you were her all she there would their we him been has when who will more no if out so said what up"
+).split()
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    """A small corpus the tests write themselves: 4000 lines of words."""
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(12)) + "." for _ in range(4000)]
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text("\n".join(lines))
+    return str(path)
 
 
 @pytest.fixture(scope="session")

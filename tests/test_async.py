@@ -14,66 +14,18 @@ runs one process of a multi-process run with the counter and prints its
 counts as JSON (used by ``tests/test_trainer.py::test_two_processes_match_one_process_and_read_nothing_on_quiet_steps``).
 """
 
-import collections
 import json
 import sys
-import threading
 
 import jax
 import pytest
-from jax._src.array import ArrayImpl
 
 from loco_jax.training.loop import train_and_evaluate
 from loco_jax.training.metrics import read_metrics
 from loco_jax.training import config as config_lib
 from loco_jax.training import loop
 from loco_jax.training.trainer import Trainer
-from tests.test_trainer import quiet, small_config, text_file  # noqa: F401
-
-CONVERSIONS = ("__array__", "__float__", "__int__", "__bool__", "__index__", "item", "tolist")
-
-
-class HostReads:
-    """Host conversions of ``jax.Array`` per loop step (0: before the first step)."""
-
-    def __init__(self):
-        self.step, self.by_step, self._local = 0, collections.Counter(), threading.local()
-
-    def install(self, monkeypatch):
-        for name in CONVERSIONS:
-            monkeypatch.setattr(ArrayImpl, name, self._counted(getattr(ArrayImpl, name)))
-        monkeypatch.setattr(jax, "device_get", self._counted(jax.device_get))
-        program = Trainer.program
-
-        def next_step(trainer_self, *args):
-            self.step += 1
-            return program(trainer_self, *args)
-
-        monkeypatch.setattr(Trainer, "program", next_step)
-        return self
-
-    def _counted(self, fn):
-        def wrapped(*args, **kwargs):
-            depth = getattr(self._local, "depth", 0)
-            if depth == 0:
-                self.by_step[self.step] += 1
-            self._local.depth = depth + 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._local.depth = depth
-
-        return wrapped
-
-
-def sync_steps(cfg):
-    return {t for t in range(1, cfg.steps + 1)
-            if t % cfg.log_every == 0 or t % cfg.eval_every == 0 or t % cfg.checkpoint_every == 0 or t == cfg.steps}
-
-
-def quiet_reads(by_step, cfg):
-    return {t: n for t, n in by_step.items() if t and t not in sync_steps(cfg)}
-
+from tests.helpers import HostReads, quiet, quiet_reads, small_config, sync_steps
 
 # Streaming DiLoCo: with overlap 1 in-process in tests/test_faults.py's clean run (exchange steps 7, 9 and 11
 # quiet), with overlap 2 in two processes in

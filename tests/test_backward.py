@@ -10,7 +10,7 @@ import pytest
 from loco_jax import backward, hlo, loco
 from loco_jax.training import config as config_lib
 from loco_jax.training.trainer import Trainer
-from tests.test_trainer import quiet, text_file  # noqa: F401
+from tests.helpers import quiet
 
 
 def _config(**overrides):
@@ -153,7 +153,7 @@ def test_in_backward_trainer_with_diloco_and_fsdp_resumes_bit_identically(text_f
     bit-identical to the straight run, and changing loco.in_backward on resume is refused by name."""
     from loco_jax.training.loop import train_and_evaluate
     from loco_jax.training.metrics import read_metrics
-    from tests.test_trainer import small_config
+    from tests.helpers import small_config
 
     # 10 steps: fragments 0 and 1 sync (steps 7 and 9), before and after the resume point
     sets = {"loco.in_backward": True, "mesh.fsdp": True, "model.scan_layers": True, "model.remat": True,

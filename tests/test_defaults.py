@@ -8,7 +8,7 @@ import pytest
 from loco_jax.training import config as config_lib
 from loco_jax import diloco, loco, quant
 from loco_jax.training.loop import train_and_evaluate
-from tests.test_trainer import quiet, small_config, text_file  # noqa: F401  (the corpus fixture)
+from tests.helpers import quiet, small_config
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2, 1])

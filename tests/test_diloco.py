@@ -1,7 +1,5 @@
 """DiLoCo / Streaming DiLoCo against exact references on the (replica, data) = (2, 4) mesh."""
 
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -12,93 +10,9 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import collectives, diloco, hlo, loco
-from tests.helpers import DEVICES, put
-
-M, D = 2, 4
-N_LAYERS, WIDTH, D_IN, D_OUT = 2, 8, 4, 2
-BATCH = 8  # per device
-
-
-def make_params(seed=0, width=WIDTH):
-    rng = np.random.RandomState(seed)
-    w = lambda *s: jnp.asarray(rng.randn(*s) * 0.4, jnp.float32)
-    return {
-        "proj_in": {"kernel": w(D_IN, width)},
-        "layers": {i: {"w": w(width, width), "b": w(width)} for i in range(N_LAYERS)},
-        "head": {"kernel": w(width, D_OUT)},
-    }
-
-
-def loss_fn(p, x, y):
-    h = x @ p["proj_in"]["kernel"]
-    for i in range(N_LAYERS):
-        h = h + jnp.tanh(h @ p["layers"][i]["w"] + p["layers"][i]["b"])
-    return jnp.mean((h @ p["head"]["kernel"] - y) ** 2)
-
-
-def make_data(steps, same_on_replicas=False, seed=1):
-    """Per-step batches, global shape (M * D * BATCH, ...): rows of replica r, data device d come in that order."""
-    rng = np.random.RandomState(seed)
-    xs = rng.randn(steps, M * D * BATCH, D_IN).astype(np.float32)
-    if same_on_replicas:
-        xs[:, D * BATCH:] = xs[:, : D * BATCH]
-    w = rng.randn(D_IN, D_OUT).astype(np.float32)
-    return xs, np.sin(xs @ w)
-
-
-def replicate(params):
-    """Global view of local parameters: M identical blocks concatenated on dim 0."""
-    return jax.tree.map(lambda x: jnp.concatenate([x] * M), params)
-
-
-def local(tree, r):
-    """Replica r's block of a global-view tree."""
-    return jax.tree.map(lambda x: np.asarray(x).reshape(M, -1, *x.shape[1:])[r], tree)
-
-
-class Run:
-    """Jitted init and step programs of a DiLoCo transformation on the (2, 4) mesh."""
-
-    def __init__(self, mesh, tx, width=WIDTH):
-        self.mesh, self.tx = mesh, tx
-        self.params = put(mesh, replicate(make_params(width=width)), P("replica"))
-        self.specs = diloco.state_specs(tx, self.params, mesh)
-        self.state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("replica"), out_specs=self.specs))(self.params)
-        self._programs = {}
-
-    def body(self, params, state, x, y, phase=None):
-        p = lax.pcast(params, "data", to="varying")
-        grads = jax.grad(loss_fn)(p, x, y)
-        updates, state = self.tx.update(grads, state, params, phase=phase)
-        return optax.apply_updates(params, updates), state
-
-    def program(self, phase):
-        if phase not in self._programs:
-            fn = functools.partial(self.body, phase=phase) if phase != "traced" else self.body
-            in_specs = (P("replica"), self.specs, P(DEVICES), P(DEVICES))
-            self._programs[phase] = jax.jit(
-                jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=(P("replica"), self.specs))
-            )
-        return self._programs[phase]
-
-    def step(self, t, x, y, traced=False):
-        prog = self.program("traced" if traced else self.tx.phase(t))
-        xs, ys = put(self.mesh, x, P(DEVICES)), put(self.mesh, y, P(DEVICES))
-        self.params, self.state = jax.block_until_ready(prog(self.params, self.state, xs, ys))
-
-
-def inner_sgd(lr):
-    return optax.chain(loco.compress(bits=None, axis_name="data"), optax.sgd(lr))
-
-
-def inner_adamw():
-    return optax.chain(loco.compress(bits=None, axis_name="data"), optax.adamw(0.02, b1=0.9, b2=0.95, weight_decay=0.1))
-
-
-def plain_sgd_outer():
-    return optax.sgd(1.0)
-
+from loco_jax import collectives, diloco, hlo
+from tests.helpers import (BATCH, D, D_IN, D_OUT, DEVICES, M, N_LAYERS, Run, inner_adamw, inner_sgd, local,
+                           loss_fn, make_data, make_params, plain_inner, plain_sgd_outer, put, replicate)
 
 # ----------------------------------------------------------------------------- exact equivalences
 
@@ -115,17 +29,6 @@ def test_h1_sgd_outer_lr1_equals_data_parallel_sgd(mesh):
         for r in range(M):
             chex.assert_trees_all_close(local(run.params, r), ref, rtol=1e-5, atol=1e-6)
         chex.assert_trees_all_close(jax.tree.map(np.asarray, diloco.global_params(run.state)), ref, rtol=1e-5, atol=1e-6)
-
-
-def plain_inner(xs, ys, steps, tx):
-    """The inner optimizer alone on replica 0's data (full batch of its D devices)."""
-    params = make_params()
-    state = tx.init(params)
-    for t in range(1, steps + 1):
-        x, y = xs[t - 1][: D * BATCH], ys[t - 1][: D * BATCH]
-        updates, state = tx.update(jax.grad(loss_fn)(params, x, y), state, params)
-        params = optax.apply_updates(params, updates)
-    return params
 
 
 @pytest.mark.parametrize("sync_every,num_fragments,overlap", [(4, 1, 0), (6, 3, 1), (9, 3, 2)])

@@ -22,8 +22,7 @@ from loco_jax.training.loop import train_and_evaluate
 from loco_jax.training.metrics import read_metrics
 from loco_jax.training.trainer import Trainer
 from loco_jax.training import checkpoints
-from tests.test_trainer import quiet, small_config, text_file, write_config_file  # noqa: F401
-from tests.helpers import ROOT, subprocess_env
+from tests.helpers import ROOT, quiet, small_config, subprocess_env, write_config_file
 
 STOP = 6  # fragment 0 syncs after step 6 and is applied in step 7's program (tau = 1): nothing in flight at 6
 

@@ -16,8 +16,7 @@ import time
 import pytest
 
 from loco_jax.training import checkpoints, failure
-from tests.test_trainer import small_config, text_file, write_config_file  # noqa: F401
-from tests.helpers import free_port, subprocess_env, train_cmd
+from tests.helpers import free_port, small_config, subprocess_env, train_cmd, write_config_file
 
 STALL_AT = 7  # the step whose outputs the stalling train.py below never delivers (a quiet step: 7 % 2 != 0)
 

@@ -36,8 +36,7 @@ from loco_jax.training.metrics import read_metrics
 from loco_jax.training.steps import train_step
 from loco_jax.training.trainer import Dataset, Trainer
 from loco_jax.training import steps
-from tests import test_async
-from tests.test_trainer import small_config, text_file  # noqa: F401  (text_file: a fixture)
+from tests.helpers import HostReads, quiet_reads, small_config, sync_steps
 
 BAD_STEP = 9  # Streaming DiLoCo (H 6, P 3, tau 1) sends fragment 1 at step 9: an exchange step
 INF_MARK, NAN_OUTER_MARK = 254, 255  # byte ids the test corpus (ASCII words) never contains
@@ -145,10 +144,10 @@ def clean_reference(text_file, tmp_path_factory):  # noqa: F811
     reads nothing on a quiet step (1, 3, 5, 7, 9, 11: exchange steps 7, 9 and 11 among them)."""
     monkeypatch = pytest.MonkeyPatch()
     cfg = small_config(text_file)
-    reads = test_async.HostReads().install(monkeypatch)
+    reads = HostReads().install(monkeypatch)
     summary, _ = _run(monkeypatch, cfg, tmp_path_factory.mktemp("clean"))
-    assert test_async.quiet_reads(reads.by_step, cfg) == {}, dict(reads.by_step)
-    assert reads.step == cfg.steps and all(reads.by_step[t] for t in test_async.sync_steps(cfg))
+    assert quiet_reads(reads.by_step, cfg) == {}, dict(reads.by_step)
+    assert reads.step == cfg.steps and all(reads.by_step[t] for t in sync_steps(cfg))
     t = Trainer(cfg, str(tmp_path_factory.mktemp("init")))
     return summary, _host(diloco.global_params(t.init_state().opt_state)), t.tx.plan(model_lib.abstract_params(t.mcfg))
 

@@ -15,8 +15,7 @@ from loco_jax.training.loop import train_and_evaluate
 from loco_jax.training.metrics import read_metrics
 from loco_jax.training import checkpoints, model as model_lib, steps
 from loco_jax.training.trainer import Trainer
-from tests.helpers import gaussian, put, rel_err
-from tests.test_trainer import quiet, small_config, text_file  # noqa: F401
+from tests.helpers import gaussian, put, quiet, rel_err, small_config
 
 D = 8
 

@@ -8,7 +8,7 @@ import pytest
 from loco_jax.training import config as config_lib
 from loco_jax.training import model as model_lib
 from loco_jax.training import steps
-from tests.test_trainer import small_config, text_file  # noqa: F401 (a fixture)
+from tests.helpers import small_config
 
 quiet = lambda *_: None
 

@@ -19,8 +19,7 @@ from loco_jax.training import data as data_lib
 from loco_jax.training import model as M
 from loco_jax.training import sample, sample_command
 from loco_jax.training.steps import model_config
-from tests.helpers import ROOT
-from tests.test_trainer import quiet, small_config, text_file  # noqa: F401  (text_file: a fixture)
+from tests.helpers import ROOT, quiet, small_config
 
 # max_seq_len 8 so that short generations already slide (and the reference compiles few shapes);
 # init_std 0.1 spreads the logits of a random model, so no greedy step is a near-tie rounding could flip.

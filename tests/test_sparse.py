@@ -12,9 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import diloco, hlo, quant, sparse
-from tests.helpers import DEVICES, per_device, put
-from tests.test_trainer import text_file  # noqa: F401 (a fixture)
-from tests.test_diloco import D, M, Run, plain_inner, inner_adamw, local, make_data, make_params
+from tests.helpers import (D, DEVICES, M, Run, inner_adamw, local, make_data, make_params, per_device, plain_inner,
+                           put)
 
 
 def distinct(n, seed=0):
@@ -339,7 +338,7 @@ def test_the_trainer_with_a_sparse_exchange_learns_and_resumes_bit_identically(t
     step 7 ends bit-identical to the straight run."""
     from loco_jax.training.loop import train_and_evaluate
     from loco_jax.training.metrics import read_metrics
-    from tests.test_trainer import small_config
+    from tests.helpers import small_config
 
     sets = {"mesh.fsdp": True, "diloco.overlap": 2, "diloco.num_fragments": 2, "diloco.outer_momentum": 0.0,
             "diloco.outer_lr": 1.0, "diloco.error_decay": 0.95, "diloco.density": 1 / 64, "diloco.chunk": 256,

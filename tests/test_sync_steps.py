@@ -19,8 +19,7 @@ from loco_jax.training import loop
 from loco_jax.training.loop import train_and_evaluate
 from loco_jax.training.metrics import read_metrics
 from loco_jax.training.trainer import Trainer
-from tests.test_trainer import quiet, small_config, text_file, write_config_file  # noqa: F401
-from tests.helpers import free_port, subprocess_env, train_cmd
+from tests.helpers import free_port, quiet, small_config, subprocess_env, train_cmd, write_config_file
 
 
 class _CountingPrograms(dict):

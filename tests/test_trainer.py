@@ -20,51 +20,8 @@ from loco_jax.training.metrics import read_metrics
 from loco_jax.training.steps import learning_rate_schedule
 from loco_jax.training.trainer import Trainer
 from loco_jax.training import checkpoints, loop
-from tests.helpers import ROOT, free_port, subprocess_env, train_cmd
-
-
-WORDS = (
-    "the of and to a in that is was he for it with as his on be at by this had not are but from or have an they "
-    "which one you were her all she there would their we him been has when who will more no if out so said what up"
-).split()
-
-
-@pytest.fixture(scope="session")
-def text_file(tmp_path_factory):
-    """A small corpus the tests write themselves: 4000 lines of words."""
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(12)) + "." for _ in range(4000)]
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text("\n".join(lines))
-    return str(path)
-
-
-def small_config(text_file, **overrides):
-    cfg = config_lib.Config(steps=12, batch_size=16, seq_len=32, eval_every=6, eval_batches=1, log_every=2,
-                            checkpoint_every=6, sample_tokens=0)
-    m = cfg.model
-    m.d_model, m.num_layers, m.num_heads, m.d_ff, m.max_seq_len, m.compute_dtype = 32, 2, 2, 96, 32, "float32"
-    cfg.optim.warmup_steps = 2
-    cfg.mesh.replicas = 2
-    cfg.data.path = text_file
-    cfg.loco.bits = 4
-    cfg.loco.compensate = True  # the paper's compensated exchange: resumes and restarts carry error buffers
-    d = cfg.diloco
-    d.enabled, d.sync_every, d.num_fragments, d.overlap, d.alpha, d.bits = True, 6, 3, 1, 0.5, 4
-    return config_lib.override(cfg, [f"{k}={v}" for k, v in overrides.items()])
-
-
-def write_config_file(path, cfg):
-    """A configs/NAME.py that rebuilds ``cfg`` (for subprocess runs of train.py)."""
-    path.write_text(
-        "from loco_jax.training import config\n"
-        f"def get_config():\n    return config.from_dict({config_lib.to_dict(cfg)!r})\n"
-    )
-    return str(path)
-
-
-def quiet(*_):
-    pass
+from tests.helpers import (ROOT, free_port, quiet, quiet_reads, small_config, subprocess_env, sync_steps, train_cmd,
+                           write_config_file)
 
 
 @pytest.fixture(scope="module")
@@ -228,8 +185,6 @@ def test_two_processes_match_one_process_and_read_nothing_on_quiet_steps(text_fi
     Streaming DiLoCo with overlap 2 (H 9, P 3: fragment 0 sent at step 10 and applied at 11, fragment 1 sent
     at 13). Each process counts its host reads of device arrays (tests/test_async.py): none on a quiet
     step (the odd ones, exchange steps 11 and 13 included)."""
-    from tests import test_async
-
     cfg = small_config(text_file, steps=14, **{"loco.bits": "None", "diloco.bits": "None", "diloco.overlap": 2,
                                                "diloco.sync_every": 9})
     config_path = write_config_file(tmp_path / "cfg.py", cfg)
@@ -239,7 +194,8 @@ def test_two_processes_match_one_process_and_read_nothing_on_quiet_steps(text_fi
     reference = subprocess.Popen(train_cmd(config_path, single), env=subprocess_env(), stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
     procs = [
-        subprocess.Popen([sys.executable, test_async.__file__, config_path, multi, f"localhost:{port}", "2", str(i)],
+        subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "test_async.py"), config_path, multi,
+                          f"localhost:{port}", "2", str(i)],
                          env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
@@ -249,8 +205,8 @@ def test_two_processes_match_one_process_and_read_nothing_on_quiet_steps(text_fi
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     for out in outs:
         by_step = {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
-        assert test_async.quiet_reads(by_step, cfg) == {}, by_step
-        assert max(by_step) == cfg.steps and all(by_step.get(t) for t in test_async.sync_steps(cfg)), by_step
+        assert quiet_reads(by_step, cfg) == {}, by_step
+        assert max(by_step) == cfg.steps and all(by_step.get(t) for t in sync_steps(cfg)), by_step
     a, b = read_metrics(single), read_metrics(multi)
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):

@@ -9,7 +9,7 @@ import pytest
 from loco_jax.training import config as config_lib
 from loco_jax.training.loop import train_and_evaluate
 from loco_jax.training.trainer import Trainer
-from tests.test_trainer import quiet, small_config, text_file  # noqa: F401  (the corpus fixture)
+from tests.helpers import quiet, small_config
 
 
 def _token_file(tmp_path, name, data):

@@ -1,5 +1,7 @@
-"""No module reaches into another's private names (issue 42): a name that starts with ``_`` is used only in
-the module that defines it. Read from the syntax trees of every Python file of the project (library,
+"""Rules of the house (issue 42), read from the syntax trees of the project's files.
+
+No module reaches into another's private names: a name that starts with ``_`` is used only in the module
+that defines it. Read from the syntax trees of every Python file of the project (library,
 benchmarks, tests, the two scripts): attribute reads ``module._name`` through an imported project module,
 ``from module import _name``, and ``monkeypatch.setattr(module, "_name", ...)``."""
 
@@ -73,3 +75,19 @@ def test_the_check_sees_each_kind_of_use(tmp_path):
     modules = {"loco_jax", "loco_jax.quant", "loco_jax.hlo", "loco_jax.sparse"}
     assert [name for _, name in private_uses(str(path), modules)] == [
         "loco_jax.hlo._dims", "loco_jax.quant._hadamard", "loco_jax.quant._lloyd_max (setattr)"]
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers.py (and fixtures in conftest.py), not in a test module that
+    another imports (which would also run its tests' module-level set-up there)."""
+    found = []
+    for path in project_files():
+        if not os.path.basename(path).startswith("test_"):
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+                     if isinstance(node, ast.ImportFrom) and node.module else [])
+            found += [f"{os.path.relpath(path, ROOT)}:{node.lineno}: {n}" for n in names
+                      if n.split(".")[0] == "tests" and len(n.split(".")) > 1 and n.split(".")[1].startswith("test_")]
+    assert not found, "test modules imported by tests:\n" + "\n".join(sorted(set(found)))

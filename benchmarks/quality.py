@@ -129,6 +129,9 @@ def _resolved_key(overrides) -> str:  # the reports ask for every cell's directo
 
     cfg = config_lib.resolve(config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), BASE + list(overrides)))
     d = config_lib.to_dict(cfg)
+    if d["diloco"]["density"] is None:  # a dense exchange: the sparse mean's divisor and chunks mean nothing
+        d["diloco"].pop("average_over")
+        d["diloco"].pop("chunks")
     for dotted, value in _UNKEYED.items():  # fields that leave the training numbers as they were
         *parents, leaf = dotted.split(".")
         node = functools.reduce(lambda n, k: n[k], parents, d)
@@ -151,7 +154,9 @@ _UNKEYED = {"sample_tokens": _ANY, "data.sp_model": None, "data.require_path": N
             "diloco.density": None, "diloco.chunk": 4096, "diloco.error_decay": None, "optim.name": "adamw",
             "optim.muon_beta": 0.95,
             "diloco.keep_unsent": False,  # each replica restarting from the global parameters, as before
-            "diloco.average_over": "replicas",  # a sparse mean over the M replicas, as before (issue 41)
+            # a sparse mean over the M replicas, as before issue 41 (its sparse cells name it since the default
+            # became "senders"; a dense cell's is dropped above)
+            "diloco.average_over": "replicas",
             "diloco.chunks": "flat"}  # chunks of the flat fragment, as before (issue 41)
 
 

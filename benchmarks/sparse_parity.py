@@ -60,7 +60,7 @@ def _sparse(tuned, seed, m, density, rule, move=None):
     """A sparse cell at parity.py's ``tuned`` (``parity.selection()``) Streaming DiLoCo settings for M = m."""
     s = tuned[("stream", m)]
     return (parity.stream_overrides(seed, parity.LONG, m, 2, s, "stream2") + [f"diloco.density={density}"] + RULES[rule](s)
-            + _ALL_MOVES.get(move, []))
+            + _ALL_MOVES.get(move, []) + ["diloco.average_over=replicas"])  # as they ran: the default then
 
 
 def tune_cells():

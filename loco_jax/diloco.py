@@ -238,7 +238,7 @@ class Exchange(NamedTuple):
     error_bits: int | None  # the quantizer's block size is cfg's
     sparse: sparse_lib.SparseConfig | None = None  # a top-k-per-chunk exchange (sparse_mean) instead of dense
     keep_unsent: bool = False  # the accumulator rides in the local parameters (sparse_mean, diloco(keep_unsent))
-    average_over: str = "replicas"  # a sparse mean's divisor: "replicas" (M) or "senders" (sparse_mean)
+    average_over: str = "senders"  # a sparse mean's divisor: "senders" (sparse_mean) or "replicas" (M)
     chunks: str = "flat"  # a sparse exchange's chunks: "flat" (C values of the flat fragment) or "leaves" (tiles)
 
     def tile_layout(self, shapes, d: int):
@@ -445,7 +445,7 @@ def relayout_inflight(inflight, sizes, fragment, old_mesh, new_mesh, slice_len):
 SPARSE_FORMATS = {1: "int", 2: "uniform", 4: "int", 8: "int"}
 
 
-AVERAGE_OVER = ("replicas", "senders")  # diloco(average_over=): a sparse mean's divisor
+AVERAGE_OVER = ("senders", "replicas")  # diloco(average_over=): a sparse mean's divisor, the default first
 CHUNKS = ("flat", "leaves")  # diloco(chunks=): a sparse exchange's chunks
 
 
@@ -755,7 +755,7 @@ def diloco(
     index_bits: int | None = None,
     error_decay: float | None = None,
     keep_unsent: bool = False,
-    average_over: str = "replicas",
+    average_over: str = "senders",
     chunks: str = "flat",
 ) -> DiLoCo:
     """(Streaming) DiLoCo around ``inner``; see the module docstring for the maths.
@@ -804,12 +804,14 @@ def diloco(
         (which then holds ``beta e``). Needs ``alpha=0`` (alpha would count
         the local progress twice) and ``overlap <= 1`` (the restart is made
         in the program that exchanges).
-      average_over: a sparse exchange's mean, ``"replicas"`` (each entry's
-        sum over the M replicas / M; the default: the sparse mean is then
-        the dense one's, with unsent entries as zeros) or ``"senders"``
-        (each entry's sum / the number of replicas that sent it, as
+      average_over: a sparse exchange's mean, ``"senders"`` (the default:
+        each entry's sum / the number of replicas that sent it, as
         SparseLoCo's reference code aggregates; an entry one replica sent
-        moves the mean by its whole value).
+        moves the mean by its whole value) or ``"replicas"`` (each entry's
+        sum over the M replicas / M: the dense mean with unsent entries as
+        zeros, which shrinks an entry one replica sent by M and needs an
+        outer lr of about M; measured in docs/results.md, "The outer step
+        for the sparse rule").
       chunks: a sparse exchange's chunks, ``"flat"`` (every ``chunk`` values of
         the flattened fragment, crossing leaves) or ``"leaves"`` (SparseLoCo's:
         each matrix cut into tiles of ``sqrt(chunk)`` per side, at most, each
@@ -818,8 +820,8 @@ def diloco(
     """
     _sparse_choice("average_over", average_over, AVERAGE_OVER, density,
                    "the sparse mean's divisor (M replicas, or the replicas that sent each entry)",
-                   "divides each entry by the replicas that sent it; a dense exchange sends every entry from every "
-                   "replica")
+                   "sets a sparse mean's divisor; a dense exchange sends every entry from every replica, so its "
+                   "mean divides by M")
     _sparse_choice("chunks", chunks, CHUNKS, density, "the flat fragment's chunks, or tiles and pieces that follow "
                    "its leaves", "cuts a sparse exchange's chunks; a dense exchange has none")
     if chunks == "leaves" and math.isqrt(chunk) ** 2 != chunk:

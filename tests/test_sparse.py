@@ -170,10 +170,10 @@ def test_diloco_refuses_bad_sparse_settings_before_anything_compiles(kwargs, mat
                                                 (0.95, None, "binmean")])
 def test_the_sparse_exchange_is_the_mean_of_every_replicas_top_k_with_error_feedback(mesh, decay, error_bits, fmt):
     """One exchange on the (2, 4) mesh: each device's slice, a = beta e + Delta, sends C(a), keeps a - C(a);
-    the mean is (1/M) sum_m C(a_m) on every replica (NumPy re-derivation, values in ``fmt``)."""
+    over replicas the mean is (1/M) sum_m C(a_m) on every replica (NumPy re-derivation, values in ``fmt``)."""
     cfg = sparse.sparse_config(1 / 16, chunk=256, bits=2, format=fmt)
     ex = diloco.Exchange("replica", "data", 2, diloco.coll.QuantConfig(2, 256, "uniform"), "all_gather", True,
-                         decay, error_bits, cfg)
+                         decay, error_bits, cfg, average_over="replicas")
     k = 2 * 256  # this device's slice: 2 chunks
     deltas = np.stack([distinct(k, seed=s) for s in range(M * D)]).reshape(M, D, k)
     errors = np.stack([distinct(k, seed=100 + s) * 0.3 for s in range(M * D)]).reshape(M, D, k)
@@ -260,7 +260,7 @@ def test_the_mean_over_senders_divides_each_entry_by_the_replicas_that_sent_it(m
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(density=0.01, bits=2, average_over="workers"), "average_over='workers' must be one of"),
-    (dict(bits=4, average_over="senders"), "a dense exchange sends every entry"),
+    (dict(bits=4, average_over="replicas"), "a dense exchange sends every entry"),
 ])
 def test_average_over_is_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -374,13 +374,15 @@ def test_keep_unsent_is_refused_where_its_bookkeeping_cannot_hold(kwargs, match)
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_keep_unsent_sends_the_whole_displacement_and_restarts_each_replica_beside_its_unsent_accumulator(
         mesh, overlap):
-    """A second round of fragment 0 with keep_unsent, against a NumPy re-derivation from the state before it:
-    a = theta_g - theta(t) on each device's slice, s = C(a), e = a - s, theta~ = theta_g - mean_m s_m (plain
-    SGD at lr 1), and each replica restarts from theta~ - beta e + theta(t + tau) - theta(t), where
-    theta(t + tau) is its inner step alone (the same program with no exchange)."""
+    """A second round of fragment 0 with keep_unsent (the mean over M replicas), against a NumPy re-derivation
+    from the state before it: a = theta_g - theta(t) on each device's slice, s = C(a), e = a - s,
+    theta~ = theta_g - mean_m s_m (plain SGD at lr 1), and each replica restarts from
+    theta~ - beta e + theta(t + tau) - theta(t), where theta(t + tau) is its inner step alone (the same program
+    with no exchange)."""
     beta, chunk = 0.9, 64
     tx = diloco.diloco(inner_adamw(), sync_every=4, num_fragments=2, overlap=overlap, bits=2, density=1 / 16,
-                       chunk=chunk, keep_unsent=True, **diloco.sparseloco_rule(lr=1.0, beta=beta))
+                       chunk=chunk, keep_unsent=True, average_over="replicas",
+                       **diloco.sparseloco_rule(lr=1.0, beta=beta))
     run = Run(mesh, tx, width=16)
     xs, ys = make_data(9)
     t_apply = 8 + overlap  # fragment 0 syncs after steps 4 and 8; this is the second round's apply step

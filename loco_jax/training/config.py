@@ -164,9 +164,9 @@ class DilocoFields:
     # True: each replica keeps its own unsent progress (restarts from the global parameters less its decayed
     # accumulator instead of the global parameters); needs alpha=0 and overlap <= 1 (diloco.diloco(keep_unsent)).
     keep_unsent: bool = False
-    # the sparse mean of each entry: over the M "replicas" (unsent entries count as zeros) or over the
-    # "senders" (the replicas whose payload holds it, as SparseLoCo's code averages; diloco.diloco(average_over)).
-    average_over: str = "replicas"
+    # the sparse mean of each entry: over the "senders" (the replicas whose payload holds it, as SparseLoCo's
+    # code averages) or over the M "replicas" (unsent entries count as zeros); diloco.diloco(average_over).
+    average_over: str = "senders"
     # a sparse exchange's chunks: "flat" (every `chunk` values of the flattened fragment) or "leaves" (tiles of
     # sqrt(chunk) per side of each matrix, pieces of each vector, k scaled to each; diloco.diloco(chunks))
     chunks: str = "flat"

@@ -413,7 +413,7 @@ def _tiled_sparse(layout, cfg):
     return sparse_lib.tiled_sparse(layout, k, bits=cfg.bits, format=cfg.format)
 
 
-def relayout_inflight(inflight, sizes, fragment, old_mesh, new_mesh, slice_len):
+def relayout_inflight(inflight, sizes, fragment, old_mesh, new_mesh, slice_len, layout=None):
     """The in-flight mean of ``fragment`` written on ``old_mesh``, cut into ``new_mesh``'s slices.
 
     ``inflight`` is the global (host) view of ``DiLoCoState.inflight`` on ``old_mesh = (M, D)`` (D: the data
@@ -422,21 +422,28 @@ def relayout_inflight(inflight, sizes, fragment, old_mesh, new_mesh, slice_len):
     Row ``j``'s first ``k(D, M)`` values are its slice, so concatenating them and keeping the fragment's
     ``n_p`` values gives the whole mean, which is cut again into ``k(D', M')``-value slices and padded to the
     new ``k_max``. Applying the result on the new mesh is exactly the apply the old mesh would have made:
-    the exchange is completed, not dropped. ``sizes``: every fragment's size; ``slice_len(size, d, m)``.
+    the exchange is completed, not dropped. ``sizes``: every fragment's size; ``slice_len(size, d, m,
+    layout)``; ``layout(p, d)``: fragment ``p``'s :class:`loco_jax.sparse.TileLayout` on ``d`` data devices
+    (chunks that follow the leaves: the slices hold the tiled order, which depends on ``d``, so the mean is
+    untiled on the old layout and tiled on the new one), or None (flat order).
     """
     (m_old, d_old), (m_new, d_new) = old_mesh, new_mesh
     size = sizes[fragment]
-    k_old, k_new = slice_len(size, d_old, m_old), slice_len(size, d_new, m_new)
+    at = (lambda p, d: None) if layout is None else layout
+    old, new = at(fragment, d_old), at(fragment, d_new)
+    k_old, k_new = slice_len(size, d_old, m_old, old), slice_len(size, d_new, m_new, new)
     inflight = np.asarray(inflight, np.float32)
     if inflight.shape[0] % d_old or inflight.shape[0] // d_old < k_old:
         raise ValueError(
             f"inflight of shape {inflight.shape} does not hold {d_old} slices of {k_old} values "
             f"(fragment {fragment} of {size} values on mesh replica={m_old}, data={d_old})."
         )
-    mean = inflight.reshape(d_old, -1)[:, :k_old].reshape(-1)[:size]
-    k_max = max(slice_len(s, d_new, m_new) for s in sizes)
+    slices = inflight.reshape(d_old, -1)[:, :k_old].reshape(-1)
+    mean = slices[:size] if old is None else np.asarray(old.untiled(jnp.asarray(slices)))
+    k_max = max(slice_len(s, d_new, m_new, at(p, d_new)) for p, s in enumerate(sizes))
     out = np.zeros((d_new, k_max), np.float32)
-    out[:, :k_new] = np.pad(mean, (0, k_new * d_new - size)).reshape(d_new, k_new)
+    cut = np.pad(mean, (0, k_new * d_new - size)) if new is None else np.asarray(new.tiled(jnp.asarray(mean)))
+    out[:, :k_new] = cut.reshape(d_new, k_new)
     return out.reshape(-1)
 
 
@@ -862,11 +869,13 @@ def diloco(
     tx.plan = plan_of
 
     def relayout(inflight, params, fragment, old_mesh, new_mesh):
-        if chunks == "leaves":  # the tiled order differs per data size: not written yet
-            raise ValueError("an elastic restart that moves an in-flight mean across meshes is not supported with "
-                             "chunks='leaves' yet; finish the run on its mesh, or use chunks='flat'.")
-        return relayout_inflight(inflight, plan_of(params).fragment_sizes(), fragment, old_mesh, new_mesh,
-                                 ex.slice_len)
+        plan = plan_of(params)
+        layout = None
+        if chunks == "leaves":  # the slices hold each fragment's tiled order, which depends on the data size
+            shapes = [[x.shape for x in jax.eval_shape(lambda t, p=p: plan.select(t, p), params)]
+                      for p in range(num_fragments)]
+            layout = lambda p, d: ex.tile_layout(shapes[p], d)  # noqa: E731
+        return relayout_inflight(inflight, plan.fragment_sizes(), fragment, old_mesh, new_mesh, ex.slice_len, layout)
 
     tx.relayout_inflight = relayout
     return tx

@@ -11,12 +11,13 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import optax
 import pytest
 
-from loco_jax import diloco
+from loco_jax import diloco, sparse
 from loco_jax.training.checkpoints import INFLIGHT, restore_elastic
 from loco_jax.training.loop import train_and_evaluate
 from loco_jax.training.metrics import read_metrics
@@ -170,6 +171,31 @@ def test_relayout_inflight_round_trips_the_mean_between_meshes():
                 np.testing.assert_array_equal(tx.relayout_inflight(out, params, 1, dst, src), buf)
         with pytest.raises(ValueError, match=r"does not hold 4 slices"):
             tx.relayout_inflight(np.zeros(7, np.float32), params, 1, (2, 4), (4, 2))
+
+
+def test_relayout_inflight_with_chunks_that_follow_the_leaves_retiles_the_mean():
+    """A sparse exchange with tiles keeps each slice in its data size's tiled order: moved between meshes, the
+    in-flight mean is untiled on the old layout and tiled on the new one (row j of the new buffer is data
+    device j's slice of ``TileLayout.tiled(mean)``), and moving it back gives the buffer to the bit."""
+    params = {f"layers_{i}": {"w": jax.ShapeDtypeStruct((96, 64 + 32 * i), np.float32)} for i in range(2)}
+    params["embed"] = jax.ShapeDtypeStruct((50,), np.float32)
+    tx = diloco.diloco(optax.sgd(0.1), sync_every=8, num_fragments=2, overlap=2, bits=2, density=0.03, chunk=1024,
+                       chunks="leaves", block_size=64)
+    plan = tx.plan(params)
+    fragment, size = 1, tx.plan(params).fragment_sizes()[1]
+    shapes = [x.shape for x in jax.eval_shape(lambda t: plan.select(t, fragment), params)]
+    mean = np.random.default_rng(0).normal(size=size).astype(np.float32)
+    meshes = [(2, 4), (4, 2), (3, 1), (1, 8), (2, 3)]
+    for src in meshes:
+        layout = sparse.tile_layout(shapes, src[1], tile=32, align=64)
+        buf = tx.relayout_inflight(np.pad(np.asarray(sparse.tile_layout(shapes, 1, tile=32, align=64).tiled(
+            jnp.asarray(mean))), (0, 8192)), params, fragment, (1, 1), src)
+        rows = buf.reshape(src[1], -1)[:, :layout.slice_len].reshape(-1)
+        np.testing.assert_array_equal(rows, np.asarray(layout.tiled(jnp.asarray(mean))))
+        np.testing.assert_array_equal(np.asarray(layout.untiled(jnp.asarray(rows))), mean)
+        for dst in meshes:
+            out = tx.relayout_inflight(buf, params, fragment, src, dst)
+            np.testing.assert_array_equal(tx.relayout_inflight(out, params, fragment, dst, src), buf)
 
 
 def test_checkpoint_without_a_recorded_mesh_must_fit_this_mesh(first_half, tmp_path):

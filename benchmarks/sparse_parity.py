@@ -14,6 +14,7 @@
     python benchmarks/sparse_parity.py --group quant41   # seed 0, M = 2 and 4: SparseLoCo's values quantizer there
     python benchmarks/sparse_parity.py --group topo41    # seed 0, M = 2 and 4: the paper's topology, H = 15 and 30
     python benchmarks/sparse_parity.py --group tiles41   # seed 0, M = 2 and 4: chunks that follow the leaves
+    python benchmarks/sparse_parity.py --group text41    # seeds 1-2, M = 2, the second text: DP, dense, senders
     python benchmarks/sparse_parity.py --report
 
 Model, data, run length (3,000 steps), H = 30, 3 fragments, overlap 1 and the tuned Streaming DiLoCo
@@ -238,6 +239,21 @@ def refs41_cells():
     return out
 
 
+def text41_cells():
+    """The second text (benchmarks/second_text.py; never tuned on), seeds 1-2, M = 2: data parallel and the
+    dense 4-bit rotated exchange on today's init (``kjv_dp_3000_s1`` predates cf4d0aa), and the senders'
+    cell (the chosen sparse recipe, configs/sparse_diloco.py)."""
+    tuned, text2 = parity.selection(), [f"data.path={os.path.relpath(second_text.OUT, common.ROOT)}"]
+    out = {}
+    for seed in (1, 2):
+        out[f"kjv41_ref_dp_s{seed}"] = ("text41", parity.dp_overrides(seed, parity.LONG, tuned["dp"]) + text2)
+        out[f"kjv41_m2_senders_lr1_s{seed}"] = ("text41", senders_cell(seed, 2) + text2)
+    for seed in (1, 2):
+        out[f"kjv41_ref_m2_dense4rot_s{seed}"] = ("text41", parity.stream_overrides(
+            seed, parity.LONG, 2, 4, tuned[("stream", 2)], "stream4rot") + text2)
+    return out
+
+
 def refs41_table():
     """Seeds 1-3 on today's init: the references against their archived runs, and the senders' cell's paired
     gaps to them; then seed 0's tune41 and quant41 cells against the seed-0 references."""
@@ -266,6 +282,18 @@ def refs41_table():
             name = f"sp41_m{m}_senders_lr1_{tag}_s0"
             lines.append(f"| `{name}` | {m} | {value(name)} | {parity.format_gap(_gap(name, 'sp41_ref_dp_s0'))} | "
                          f"{parity.format_gap(_gap(name, f'sp41_ref_m{m}_dense4_s0'))} |")
+    return "\n".join(lines)
+
+
+def text41_table():
+    """The second text, seeds 1-2, M = 2: each cell's final eval loss and the senders' cell's paired gaps."""
+    value = lambda n: f"{quality.final(n):.4f}" if quality.finished(n) else "-"
+    lines = ["| seed | data parallel | dense 4-bit rotated | senders' cell (3 %) | senders vs DP | senders vs dense 4-bit |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for seed in (1, 2):
+        dp, dense, sp = f"kjv41_ref_dp_s{seed}", f"kjv41_ref_m2_dense4rot_s{seed}", f"kjv41_m2_senders_lr1_s{seed}"
+        lines.append(f"| {seed} | {value(dp)} | {value(dense)} | {value(sp)} | {parity.format_gap(_gap(sp, dp))} | "
+                     f"{parity.format_gap(_gap(sp, dense))} |")
     return "\n".join(lines)
 
 
@@ -305,7 +333,8 @@ def cells():
     tune = quality.register(tune_cells())
     probe = quality.register(probe_cells())
     return dict(tune, **probe, **quality.register(tune4_cells()), **quality.register(seeded_cells()),
-                **outer_cells(), **quality.register(tune41_cells()), **quality.register(refs41_cells()))
+                **outer_cells(), **quality.register(tune41_cells()), **quality.register(refs41_cells()),
+                **quality.register(text41_cells()))
 
 
 def _loss(name):
@@ -403,12 +432,14 @@ def report(no_write, extra_args):
         f"### Seeds 1-3 at {parity.LONG:,} steps", final_table(),
         "### The outer step for the sparse rule: outer lr x the mean's divisor (issue 41, seed 0)", outer_table(),
         "### The senders' cell on seeds 1-3, paired to the bit on today's init (issue 41)", refs41_table(),
+        "### The senders' cell on the second text, seeds 1-2 (issue 41; never tuned on)", text41_table(),
     ])
     common.report(HEADING, body, no_write=no_write, extra_args=extra_args)
 
 
 def main(argv=None):
-    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4", "outer", "tune41", "refs41", "quant41", "topo41", "tiles41"), cells(), report, argv)
+    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4", "outer", "tune41", "refs41", "quant41", "topo41", "tiles41", "text41"), cells(), report,
+                argv)
 
 
 if __name__ == "__main__":

@@ -202,10 +202,12 @@ DENSITIES41 = {"d1.5": 0.015}
 
 # Seed 0, around the outer sweep's best cell (senders, lr 1), at each M: the accumulator's decay, alpha 0.5,
 # and 1 % density (the bits target) at lr 1 and 2, and at decay 0.99 (at 1 % an entry waits about 100 rounds
-# to be sent, and decay 0.95 leaks what waits: 0.95^20 = 0.36).
+# to be sent, and decay 0.95 leaks what waits: 0.95^20 = 0.36; refuted: 0.99 lost more), then at lr 2 with
+# decay 0.9 (the other way: forget stale mass sooner).
 TUNE41 = {"decay0.9": ("d3", ["diloco.error_decay=0.9"]), "decay0.99": ("d3", ["diloco.error_decay=0.99"]),
           "alpha0.5": ("d3", ["diloco.alpha=0.5"]), "d1": ("d1", []), "d1_lr2": ("d1", ["diloco.outer_lr=2"]),
-          "d1_decay0.99": ("d1", ["diloco.error_decay=0.99"]), "d1.5": ("d1.5", [])}
+          "d1_decay0.99": ("d1", ["diloco.error_decay=0.99"]), "d1.5": ("d1.5", []),
+          "d1_lr2_decay0.9": ("d1", ["diloco.outer_lr=2", "diloco.error_decay=0.9"])}
 
 
 # Seed 0, the senders' cell with SparseLoCo's values quantizer (sparse.binmean_quantize; statistics per

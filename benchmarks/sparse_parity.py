@@ -210,6 +210,7 @@ TUNE41 = {"decay0.9": ("d3", ["diloco.error_decay=0.9"]), "decay0.99": ("d3", ["
           "d1_lr2_decay0.9": ("d1", ["diloco.outer_lr=2", "diloco.error_decay=0.9"]),
           "d1_lr2_decay0.8": ("d1", ["diloco.outer_lr=2", "diloco.error_decay=0.8"]),  # 0.9 helped at 1 %: further
           "d1.5_decay0.9": ("d1.5", ["diloco.error_decay=0.9"]),
+          "d1.5_lr2_decay0.9": ("d1.5", ["diloco.outer_lr=2", "diloco.error_decay=0.9"]),  # lr 1 lags below 3 %
           # Nesterov momentum 0.5 at lr 0.5 (the same long-run step as lr 1 alone): does the dense reference's
           # outer momentum explain the sparse runs' give-back while the learning rate decays?
           "mom0.5": ("d3", ["diloco.outer_lr=0.5", "diloco.outer_momentum=0.5"])}

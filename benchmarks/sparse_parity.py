@@ -15,6 +15,7 @@
     python benchmarks/sparse_parity.py --group topo41    # seed 0, M = 2 and 4: the paper's topology, H = 15 and 30
     python benchmarks/sparse_parity.py --group tiles41   # seed 0, M = 2 and 4: chunks that follow the leaves
     python benchmarks/sparse_parity.py --group text41    # seeds 1-2, M = 2, the second text: DP, dense, senders
+    python benchmarks/sparse_parity.py --group seeds41   # seeds 1-3, M = 2: 1.5 % and 1 % at lr 2, decay 0.9
     python benchmarks/sparse_parity.py --report
 
 Model, data, run length (3,000 steps), H = 30, 3 fragments, overlap 1 and the tuned Streaming DiLoCo
@@ -253,6 +254,14 @@ def refs41_cells():
     return out
 
 
+def seeds41_cells():
+    """Seeds 1-3, M = 2: the seed-0 cells that reached a target's bound there (1.5 % and 1 % at lr 2 and decay
+    0.9: the bits target and the 1 % target), paired with ``refs41``'s references."""
+    return {f"sp41_m2_senders_lr1_{tag}_s{seed}": ("seeds41", senders_cell(seed, 2, *TUNE41[tag][1],
+                                                                          density=TUNE41[tag][0]))
+            for tag in ("d1.5_lr2_decay0.9", "d1_lr2_decay0.9") for seed in parity.SEEDS}
+
+
 def text41_cells():
     """The second text (benchmarks/second_text.py; never tuned on), seeds 1-2, M = 2: data parallel and the
     dense 4-bit rotated exchange on today's init (``kjv_dp_3000_s1`` predates cf4d0aa), and the senders'
@@ -351,7 +360,7 @@ def cells():
     probe = quality.register(probe_cells())
     return dict(tune, **probe, **quality.register(tune4_cells()), **quality.register(seeded_cells()),
                 **outer_cells(), **quality.register(tune41_cells()), **quality.register(refs41_cells()),
-                **quality.register(text41_cells()))
+                **quality.register(text41_cells()), **quality.register(seeds41_cells()))
 
 
 def _loss(name):
@@ -455,8 +464,9 @@ def report(no_write, extra_args):
 
 
 def main(argv=None):
-    quality.cli(__doc__, ("tune", "final", "muon", "text2", "grid", "probe", "tune4", "outer", "tune41", "refs41", "quant41", "topo41", "tiles41", "text41"), cells(), report,
-                argv)
+    groups = ("tune", "final", "muon", "text2", "grid", "probe", "tune4", "outer", "tune41", "refs41", "quant41", "topo41",
+              "tiles41", "text41", "seeds41")
+    quality.cli(__doc__, groups, cells(), report, argv)
 
 
 if __name__ == "__main__":

@@ -870,12 +870,10 @@ def diloco(
 
     def relayout(inflight, params, fragment, old_mesh, new_mesh):
         plan = plan_of(params)
-        layout = None
-        if chunks == "leaves":  # the slices hold each fragment's tiled order, which depends on the data size
-            shapes = [[x.shape for x in jax.eval_shape(lambda t, p=p: plan.select(t, p), params)]
-                      for p in range(num_fragments)]
-            layout = lambda p, d: ex.tile_layout(shapes[p], d)  # noqa: E731
-        return relayout_inflight(inflight, plan.fragment_sizes(), fragment, old_mesh, new_mesh, ex.slice_len, layout)
+        # the fragments' tile layouts per data size (all None with flat chunks), as the exchange builds them
+        layouts = functools.lru_cache(maxsize=None)(lambda d: loop.layouts(plan, params, d))
+        return relayout_inflight(inflight, plan.fragment_sizes(), fragment, old_mesh, new_mesh, ex.slice_len,
+                                 lambda p, d: layouts(d)[p])
 
     tx.relayout_inflight = relayout
     return tx

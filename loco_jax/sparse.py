@@ -366,11 +366,14 @@ class TiledSparse(NamedTuple):
     num_segments: tuple = ()  # binmean: per class, the segments per slice
 
     def payload_bytes(self) -> int:
-        total = 0
-        for c, ((_, n), cfg) in enumerate(zip(self.classes, self.configs)):
-            pos, val, side = cfg.chunk_bytes(pooled=bool(self.segments))
-            total += n * (pos + val + side) + (self.num_segments[c] * cfg.side_bytes() if self.segments else 0)
-        return total
+        return sum(self._class_bytes(c) for c in range(len(self.classes)))
+
+    def _class_bytes(self, c) -> int:
+        """Bytes of class ``c``'s payload: its chunks' positions and codes, and its statistics (per chunk, or
+        per segment when pooled)."""
+        (_, n), cfg = self.classes[c], self.configs[c]
+        pos, val, side = cfg.chunk_bytes(pooled=bool(self.segments))
+        return n * (pos + val + side) + (self.num_segments[c] * cfg.side_bytes() if self.segments else 0)
 
     def _segments(self, c, device):
         """Class ``c``'s segment ids on data device ``device`` (an int or a traced index), and their count."""
@@ -399,8 +402,7 @@ class TiledSparse(NamedTuple):
         values, marks, at = [], [], 0
         for c, ((size, n), cfg) in enumerate(zip(self.classes, self.configs)):
             segments, count = self._segments(c, device)
-            pos, val, side = cfg.chunk_bytes(pooled=segments is not None)
-            width = n * (pos + val + side) + (count * cfg.side_bytes() if segments is not None else 0)
+            width = self._class_bytes(c)
             part = payload[..., at:at + width]
             if segments is None:
                 part = part.reshape(*lead, n, -1)

@@ -149,151 +149,236 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard, profile_
     check_resume_config(workdir, cfg, saved, log)
     trainer = Trainer(cfg, workdir, log)
     trainer.dataset  # load (or download) the data before anything compiles
-    is_main = jax.process_index() == 0
+    _describe(trainer, log)
+    run = _Run(trainer, workdir, log, watchdog, stop_after, profile_steps)
+    # what a sync step does, in order: the interval's metrics come to the host in one transfer, then each
+    # periodic action whose step it is (the stop agreement and the checkpoint come last: they act on the rest)
+    sync_actions = (run.read, run.log_row, run.evaluate, run.write_row, run.agree_stop, run.checkpoint)
+    with run.live(guard):
+        for step in range(run.start + 1, cfg.steps + 1):
+            run.step(step)
+            if not run.is_sync(step):
+                continue  # a quiet step: no device read, no host collective
+            for action in sync_actions:
+                action(step)
+            if watchdog:
+                watchdog.synced()
+            if run.stop.requested:
+                log(f"stop requested: checkpoint written at step {step}; exiting")
+                break
+    return run.finish()
+
+
+def _describe(trainer, log):
+    cfg = trainer.cfg
     log(f"{mesh_lib.describe(trainer.mesh)}; model {model_lib.count_params(trainer.mcfg):,} parameters; "
         f"{'Streaming DiLoCo' if cfg.diloco.enabled else 'data parallel'}, loco bits={cfg.loco.bits}")
     if cfg.optim.warmup_steps >= cfg.steps:
         log(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} >= steps={cfg.steps}; the warm-up is shortened to "
             f"{max(cfg.steps - 1, 0)} step(s) so the learning rate still reaches its peak and decays")
 
-    manager = checkpoint_manager(workdir, cfg.keep_checkpoints)
-    start, data_state, bytes_so_far = 0, None, 0.0
-    latest = manager.latest_step()
-    if latest is None:
-        state = trainer.init_state()
-    else:
-        state, meta = restore_step(manager, latest, trainer, log)
-        start, data_state, bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
-        log(f"resumed from checkpoint at step {start}")
-    batches = trainer.dataset.train_iterator(seed=cfg.data.seed, state=data_state)
-    check_replicas_identical(trainer, state, resumed=latest is not None)
-    if is_main:  # written once the start is known to be sound: a refused resume leaves the workdir as it was
-        write_atomic(os.path.join(workdir, "config.json"), config_lib.dumps(cfg))
-        truncate_metrics(workdir, start)  # rows logged after the checkpoint (or with none) come again
-    stop = _Stop()
-    try:
-        previous = signal.signal(signal.SIGTERM, stop)
-    except ValueError:  # not the main thread: no SIGTERM handling
-        previous = None
-    progress = Progress(cfg.steps)
-    metrics_file = open(metrics_path(workdir), "a") if is_main else None
-    scalars = ScalarWriter(workdir, first_step=start + 1 if latest is not None else None) if is_main else None
-    profile_start = start + 2 if profile_steps else None  # the step after this run's first (which compiles)
-    profile_stop = start + 1 + profile_steps if profile_steps else None
-    # Reads at the start are fine: the loop below reads the device only at sync steps.
-    counts_seen = trainer.skipped(state)
-    offset = _schedule_offset(trainer, state, start) if latest is not None else 0
-    window = StepWindow(cfg.batch_size * cfg.seq_len, trainer.read_steps, counts_seen)
-    if latest is not None:  # the steps since the last log row, read when the checkpoint was written
-        window.carry_unlogged(meta.get("unlogged", []))
-    eval_loss, last_saved = None, start
-    at = watchdog.at if watchdog else lambda step, phase: None
-    if watchdog:
-        trainer.compiling = watchdog.paused  # compiling a new phase's program is local work, not a hang
-        watchdog.start()
-    try:
-        batch = trainer.put_batch(batches.next_batch(cfg.batch_size)) if start < cfg.steps else None
-        for step in range(start + 1, cfg.steps + 1):
-            at(step, "running the step program")
-            if step == profile_start and is_main:
-                jax.profiler.start_trace(os.path.join(workdir, PROFILE_DIR))
-            phase = trainer.phase(step - offset)
-            prog = trainer.program(phase, state, batch)
-            params, opt_state, out = prog(state.params, state.opt_state, *batch)  # dispatched, not awaited
-            state = TrainState(params, opt_state)
-            window.add(step, out)
-            data_position = batches.state()  # after this step's batch: what a checkpoint here records
-            if step < cfg.steps:  # the next batch is cut and sent while this step runs
-                batch = trainer.put_batch(batches.next_batch(cfg.batch_size))
-            if jax.default_backend() == "cpu":
-                # XLA's CPU collectives can deadlock with several multi-device programs in flight.
-                jax.block_until_ready(state)
-            bytes_so_far += trainer.program_bytes[str(phase)]["per_device"]
-            if step == profile_stop and is_main:
-                jax.block_until_ready(state)
-                jax.profiler.stop_trace()
-                log(f"profile of steps {profile_start}-{profile_stop}: {os.path.join(workdir, PROFILE_DIR)} "
-                    "(tensorboard --logdir WORKDIR, Profile tab; or https://ui.perfetto.dev)")
-            is_log = step % cfg.log_every == 0 or step == cfg.steps
-            is_eval = step % cfg.eval_every == 0 or step == cfg.steps
-            is_ckpt = step % cfg.checkpoint_every == 0 or step == cfg.steps
-            if not (is_log or is_eval or is_ckpt or step == stop_after):
-                continue  # a quiet step: no device read, no host collective
 
-            # ---- a sync step: the interval's metrics come to the host in one transfer
-            at(step, "reading the step's metrics (waits for the device)")
-            window.read()
-            for bad, what in window.new_faults(counts_seen, lambda t: trainer.phase(t - offset)):
-                if cfg.nonfinite == "stop":
-                    raise FloatingPointError(
-                        f"non-finite gradients or outer gradients at step {bad} (nonfinite='stop'): {what}. "
-                        "Set nonfinite='skip' to skip such steps and go on."
-                    )
-                log(f"warning: step {bad}: {what}")
-            counts_seen = window.counts
-            row = None
-            if is_log:
-                row = window.log_row(step, trainer, bytes_so_far)
-                if not math.isfinite(row["loss"]) and cfg.nonfinite == "stop":
-                    raise FloatingPointError(f"non-finite loss {row['loss']} at step {window.first_nonfinite_loss} "
-                                             "(nonfinite='stop').")
-                error_rms = trainer.loco_error_rms(state)
-                if error_rms is not None:
-                    row["loco_error_rms"] = error_rms
-                    row["loco_error_to_grad"] = error_rms / max(row["grad_rms"], 1e-30)
-            if is_eval:
-                at(step, "evaluation")
-                eval_loss = trainer.evaluate(state)
-                row = dict(row or {"step": step}, eval_loss=eval_loss)
-            if row is not None:
-                if metrics_file:
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-                    scalars.write(row)
-                progress.update(step, f"loss {row.get('loss', float('nan')):.3f}" + (f" eval {eval_loss:.3f}" if eval_loss else ""))
-                if not progress.tty:
-                    log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-            if jax.process_count() > 1:  # agreed only here, at a step that synchronises anyway
-                from jax.experimental import multihost_utils
+class _Run:
+    """One run of the loop: the state its step and its periodic actions read and advance.
 
-                at(step, "agreeing on a stop request with the other processes")
-                stop.requested = bool(np.any(multihost_utils.process_allgather(np.array(stop.requested))))
-            if stop_after is not None and step >= stop_after:
-                stop.requested = True  # the same step on every process: no agreement needed
-            if is_ckpt or stop.requested:
-                at(step, "writing a checkpoint")
-                save(manager, step, trainer, state, {"step": step, "data": data_position, "bytes_sent": bytes_so_far,
-                                                     "mesh": {"replica": trainer.m, "data": trainer.d,
-                                                              "fsdp": trainer.cfg.mesh.fsdp,
-                                                              "local": trainer.cfg.mesh.local},
-                                                     "unlogged": window.host})
-                last_saved = step
-            if watchdog:
-                watchdog.synced()
-            if stop.requested:
-                log(f"stop requested: checkpoint written at step {step}; exiting")
-                break
-    except Exception as e:  # before the clean-up below, which would wait on a dead peer's barriers
-        _stop_if_a_peer_failed(guard, e)
-        raise
-    finally:
-        if watchdog:
-            watchdog.stop()  # the end of the run (summary, samples) is not a step
-        progress.close()
-        if metrics_file:
-            metrics_file.close()
-            scalars.close()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        manager.close()
-    if is_main:
-        with open(os.path.join(workdir, "programs.json"), "w") as f:
-            json.dump(trainer.program_bytes, f, indent=2)
-        log(summary_table(workdir))
-        log(f"loss plot: {plot(workdir)}; metrics: {metrics_path(workdir)}")
-    if cfg.sample_tokens and not stop.requested:  # every process: a sharded leaf is gathered together
-        print_samples(trainer, state, log, step=last_saved, length=cfg.sample_tokens)
-    return {"last_step": last_saved, "eval_loss": eval_loss, "stopped": stop.requested, "state": state}
+    Built from the latest checkpoint in the workdir (or a fresh init); :meth:`step` dispatches one step
+    program; at a sync step (:meth:`is_sync`) the loop calls the actions :meth:`read`, :meth:`log_row`,
+    :meth:`evaluate`, :meth:`write_row`, :meth:`agree_stop` and :meth:`checkpoint`, each of which acts only
+    at its own period. :meth:`live` holds the run's open files and handlers; :meth:`finish` writes the
+    summary and returns it.
+    """
+
+    def __init__(self, trainer, workdir, log, watchdog, stop_after, profile_steps):
+        cfg = self.cfg = trainer.cfg
+        self.trainer, self.workdir, self.log = trainer, workdir, log
+        self.watchdog, self.stop_after = watchdog, stop_after
+        self.is_main = jax.process_index() == 0
+        self.manager = checkpoint_manager(workdir, cfg.keep_checkpoints)
+        self.start, data_state, self.bytes_so_far, meta = 0, None, 0.0, {}
+        self.resumed = self.manager.latest_step() is not None
+        if self.resumed:
+            self.state, meta = restore_step(self.manager, self.manager.latest_step(), trainer, log)
+            self.start, data_state, self.bytes_so_far = meta["step"], meta["data"], meta.get("bytes_sent", 0.0)
+            log(f"resumed from checkpoint at step {self.start}")
+        else:
+            self.state = trainer.init_state()
+        self.batches = trainer.dataset.train_iterator(seed=cfg.data.seed, state=data_state)
+        check_replicas_identical(trainer, self.state, resumed=self.resumed)
+        if self.is_main:  # written once the start is known to be sound: a refused resume leaves the workdir as it was
+            write_atomic(os.path.join(workdir, "config.json"), config_lib.dumps(cfg))
+            truncate_metrics(workdir, self.start)  # rows logged after the checkpoint (or with none) come again
+        # Reads at the start are fine: the loop reads the device only at sync steps.
+        self.counts_seen = trainer.skipped(self.state)
+        self.offset = _schedule_offset(trainer, self.state, self.start) if self.resumed else 0
+        self.window = StepWindow(cfg.batch_size * cfg.seq_len, trainer.read_steps, self.counts_seen)
+        if self.resumed:  # the steps since the last log row, read when the checkpoint was written
+            self.window.carry_unlogged(meta.get("unlogged", []))
+        self.profile = _Profile(self.start, profile_steps, workdir, log) if profile_steps and self.is_main else None
+        self.at = watchdog.at if watchdog else lambda step, phase: None
+        self.stop, self.eval_loss, self.last_saved, self.row = _Stop(), None, self.start, None
+
+    def due(self, step, every):
+        return step % every == 0 or step == self.cfg.steps
+
+    def is_sync(self, step):
+        cfg = self.cfg
+        return (self.due(step, cfg.log_every) or self.due(step, cfg.eval_every) or self.due(step, cfg.checkpoint_every)
+                or step == self.stop_after)
+
+    @contextlib.contextmanager
+    def live(self, guard):
+        """The run's SIGTERM handler, metrics files, watchdog and checkpoint manager, closed whatever happens."""
+        try:
+            previous = signal.signal(signal.SIGTERM, self.stop)
+        except ValueError:  # not the main thread: no SIGTERM handling
+            previous = None
+        self.progress = Progress(self.cfg.steps)
+        self.metrics_file = open(metrics_path(self.workdir), "a") if self.is_main else None
+        self.scalars = (ScalarWriter(self.workdir, first_step=self.start + 1 if self.resumed else None)
+                        if self.is_main else None)
+        if self.watchdog:
+            self.trainer.compiling = self.watchdog.paused  # compiling a new phase's program is local work, not a hang
+            self.watchdog.start()
+        try:
+            self.batch = (self.trainer.put_batch(self.batches.next_batch(self.cfg.batch_size))
+                          if self.start < self.cfg.steps else None)
+            yield
+        except Exception as e:  # before the clean-up below, which would wait on a dead peer's barriers
+            _stop_if_a_peer_failed(guard, e)
+            raise
+        finally:
+            if self.watchdog:
+                self.watchdog.stop()  # the end of the run (summary, samples) is not a step
+            self.progress.close()
+            if self.metrics_file:
+                self.metrics_file.close()
+                self.scalars.close()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            self.manager.close()
+
+    def step(self, step):
+        """Dispatches step ``step``'s program (not awaited) and sends the next batch while it runs."""
+        trainer, cfg = self.trainer, self.cfg
+        self.at(step, "running the step program")
+        if self.profile:
+            self.profile.before(step)
+        phase = trainer.phase(step - self.offset)
+        prog = trainer.program(phase, self.state, self.batch)
+        params, opt_state, out = prog(self.state.params, self.state.opt_state, *self.batch)
+        self.state = TrainState(params, opt_state)
+        self.window.add(step, out)
+        self.data_position = self.batches.state()  # after this step's batch: what a checkpoint here records
+        if step < cfg.steps:  # the next batch is cut and sent while this step runs
+            self.batch = trainer.put_batch(self.batches.next_batch(cfg.batch_size))
+        if jax.default_backend() == "cpu":
+            # XLA's CPU collectives can deadlock with several multi-device programs in flight.
+            jax.block_until_ready(self.state)
+        self.bytes_so_far += trainer.program_bytes[str(phase)]["per_device"]
+        if self.profile:
+            self.profile.after(step, self.state)
+
+    def read(self, step):
+        """The interval's per-step outputs to the host; every non-finite step since the last read reported
+        (or, under ``nonfinite='stop'``, raised)."""
+        self.at(step, "reading the step's metrics (waits for the device)")
+        self.window.read()
+        for bad, what in self.window.new_faults(self.counts_seen, lambda t: self.trainer.phase(t - self.offset)):
+            if self.cfg.nonfinite == "stop":
+                raise FloatingPointError(
+                    f"non-finite gradients or outer gradients at step {bad} (nonfinite='stop'): {what}. "
+                    "Set nonfinite='skip' to skip such steps and go on."
+                )
+            self.log(f"warning: step {bad}: {what}")
+        self.counts_seen = self.window.counts
+        self.row = None
+
+    def log_row(self, step):
+        if not self.due(step, self.cfg.log_every):
+            return
+        row = self.window.log_row(step, self.trainer, self.bytes_so_far)
+        if not math.isfinite(row["loss"]) and self.cfg.nonfinite == "stop":
+            raise FloatingPointError(f"non-finite loss {row['loss']} at step {self.window.first_nonfinite_loss} "
+                                     "(nonfinite='stop').")
+        error_rms = self.trainer.loco_error_rms(self.state)
+        if error_rms is not None:
+            row["loco_error_rms"] = error_rms
+            row["loco_error_to_grad"] = error_rms / max(row["grad_rms"], 1e-30)
+        self.row = row
+
+    def evaluate(self, step):
+        if not self.due(step, self.cfg.eval_every):
+            return
+        self.at(step, "evaluation")
+        self.eval_loss = self.trainer.evaluate(self.state)
+        self.row = dict(self.row or {"step": step}, eval_loss=self.eval_loss)
+
+    def write_row(self, step):
+        """The row to ``metrics.jsonl`` and TensorBoard (process 0), and the progress line."""
+        row, eval_loss = self.row, self.eval_loss
+        if row is None:
+            return
+        if self.metrics_file:
+            self.metrics_file.write(json.dumps(row) + "\n")
+            self.metrics_file.flush()
+            self.scalars.write(row)
+        evaluated = f" eval {eval_loss:.3f}" if eval_loss else ""
+        self.progress.update(step, f"loss {row.get('loss', float('nan')):.3f}" + evaluated)
+        if not self.progress.tty:
+            self.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+
+    def agree_stop(self, step):
+        """A stop requested on any process (SIGTERM) stops every process at this same step."""
+        if jax.process_count() > 1:  # agreed only here, at a step that synchronises anyway
+            from jax.experimental import multihost_utils
+
+            self.at(step, "agreeing on a stop request with the other processes")
+            self.stop.requested = bool(np.any(multihost_utils.process_allgather(np.array(self.stop.requested))))
+        if self.stop_after is not None and step >= self.stop_after:
+            self.stop.requested = True  # the same step on every process: no agreement needed
+
+    def checkpoint(self, step):
+        if not (self.due(step, self.cfg.checkpoint_every) or self.stop.requested):
+            return
+        self.at(step, "writing a checkpoint")
+        trainer = self.trainer
+        mesh = {"replica": trainer.m, "data": trainer.d, "fsdp": self.cfg.mesh.fsdp, "local": self.cfg.mesh.local}
+        save(self.manager, step, trainer, self.state, {"step": step, "data": self.data_position,
+                                                       "bytes_sent": self.bytes_so_far, "mesh": mesh,
+                                                       "unlogged": self.window.host})
+        self.last_saved = step
+
+    def finish(self) -> dict:
+        """The end of a run: ``programs.json``, the summary table and plot (process 0), samples; the summary."""
+        workdir, log = self.workdir, self.log
+        if self.is_main:
+            with open(os.path.join(workdir, "programs.json"), "w") as f:
+                json.dump(self.trainer.program_bytes, f, indent=2)
+            log(summary_table(workdir))
+            log(f"loss plot: {plot(workdir)}; metrics: {metrics_path(workdir)}")
+        if self.cfg.sample_tokens and not self.stop.requested:  # every process: a sharded leaf is gathered together
+            print_samples(self.trainer, self.state, log, step=self.last_saved, length=self.cfg.sample_tokens)
+        return {"last_step": self.last_saved, "eval_loss": self.eval_loss, "stopped": self.stop.requested,
+                "state": self.state}
+
+
+class _Profile:
+    """A ``jax.profiler`` trace of ``steps`` steps after a run's first (which compiles), in ``WORKDIR/profile``."""
+
+    def __init__(self, start, steps, workdir, log):
+        self.first, self.last = start + 2, start + 1 + steps
+        self.dir, self.log = os.path.join(workdir, PROFILE_DIR), log
+
+    def before(self, step):
+        if step == self.first:
+            jax.profiler.start_trace(self.dir)
+
+    def after(self, step, state):
+        if step == self.last:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            self.log(f"profile of steps {self.first}-{self.last}: {self.dir} "
+                     "(tensorboard --logdir WORKDIR, Profile tab; or https://ui.perfetto.dev)")
 
 
 def _already_finished(cfg, workdir, latest, log):

@@ -16,10 +16,8 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import diloco
 from loco_jax.training import config as config_lib
 from loco_jax.training import model as model_lib
 from loco_jax.training.steps import TrainState
@@ -214,8 +212,8 @@ def _check_saved_shapes(manager, step, parts, trainer, mesh_recorded):
 def _in_flight(trainer, diloco_step):
     """(fragment, steps left) of an exchange sent but not yet applied after DiLoCo step ``diloco_step``, or None."""
     for j in range(1, trainer.cfg.diloco.overlap):
-        ph = trainer.tx.phase(diloco_step + j)
-        if ph.apply is not None and ph.apply != ph.send:
+        ph = trainer.phase(diloco_step + j)  # None: data parallel, which has nothing in flight
+        if ph is not None and ph.apply is not None and ph.apply != ph.send:
             return ph.apply, j
     return None
 
@@ -240,7 +238,7 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
     import orbax.checkpoint as ocp
 
     m_old, d_old = saved_mesh["replica"], saved_mesh["data"]
-    cfg, mesh = trainer.cfg, trainer.mesh
+    cfg = trainer.cfg
     if cfg.mesh.fsdp or saved_mesh.get("fsdp"):
         raise ValueError(
             f"this checkpoint was written on mesh (replica={m_old}, data={d_old}, fsdp={bool(saved_mesh.get('fsdp'))}) "
@@ -267,7 +265,7 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
     meta = restored["meta"]
     fresh_parts = split_by_kind(trainer.init_state(), trainer.specs)  # zero error buffers, fresh moments
     device = dict(fresh_parts["device"])
-    flight = _in_flight(trainer, int(restored["global"][".opt_state.step"])) if cfg.diloco.enabled else None
+    flight = _in_flight(trainer, int(restored["global"][".opt_state.step"]))
     if flight is not None:
         saved = _read_leaf(manager, step, "device", INFLIGHT)
         moved = trainer.tx.relayout_inflight(saved, model_lib.abstract_params(trainer.mcfg), flight[0],
@@ -283,9 +281,9 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
             tiled = np.concatenate([np.asarray(old)[: old.shape[0] // m_old]] * trainer.m)  # replica 0's block
             replica[key] = jax.make_array_from_callback(tiled.shape, fresh.sharding, lambda idx, t=tiled: t[idx])
     state = join_by_kind({"global": restored.get("global", {}), "replica": replica, "device": device}, like)
-    if cfg.diloco.enabled:
-        tile = jax.jit(trainer.tile, out_shardings=trainer.shardings(trainer.param_specs))
-        state = TrainState(tile(diloco.global_params(state.opt_state)), state.opt_state)
+    # the parameters the steps train start from the model's (DiLoCo: each replica's block from the global ones)
+    tile = jax.jit(trainer.tile, out_shardings=trainer.shardings(trainer.param_specs))
+    state = TrainState(tile(trainer.eval_params(state)), state.opt_state)
     inner = "copied from replica 0" if cfg.elastic_inner_state == "copy" else "reset (moments zero, step counts kept)"
     log(f"elastic restart at step {step}: mesh (replica={m_old}, data={d_old}) -> (replica={trainer.m}, "
         f"data={trainer.d}); global parameters, outer optimizer states and step counts carried over (every new "

@@ -401,6 +401,7 @@ def validate(cfg: Config):
             "set data.tokenizer=sentencepiece (or unset data.sp_model)."
         )
     require_int("data.sp_vocab_size", cfg.data.sp_vocab_size)
+    _validate_layout(cfg)
     for section in RESOLVED_FIELDS:
         node, lib = getattr(cfg, section), _library(section)
         if node.preset not in lib.PRESETS:
@@ -415,6 +416,22 @@ def validate(cfg: Config):
             if fmt in sparse.SPARSE_FORMAT_BITS and cfg.diloco.density is None:
                 raise ValueError(f"diloco.format={fmt!r} quantizes a sparse exchange's kept values; set "
                                  f"diloco.density, or choose one of {quant.FORMATS}.")
+
+
+def _validate_layout(cfg: Config):
+    """The mesh and exchange choices that do not combine, from the config alone."""
+    if cfg.mesh.local > 1 and (cfg.diloco.enabled or cfg.mesh.fsdp):
+        raise ValueError(
+            f"mesh.local={cfg.mesh.local} (hierarchical LoCo over hosts x local devices) is for data parallel "
+            f"with replicated state; this config has diloco.enabled={cfg.diloco.enabled}, "
+            f"mesh.fsdp={cfg.mesh.fsdp}. Set mesh.local=1, or turn those off."
+        )
+    if cfg.loco.in_backward and cfg.mesh.local > 1:
+        raise ValueError(f"loco.in_backward=True does not combine with mesh.local={cfg.mesh.local} (the "
+                         "hierarchical all-reduce); set one of them off.")
+    if cfg.loco.in_backward and not cfg.model.scan_layers:
+        raise ValueError("loco.in_backward=True exchanges each layer in a scanned stack's backward loop; it needs "
+                         "model.scan_layers=true (set it, or set loco.in_backward=false).")
 
 
 def dumps(cfg) -> str:

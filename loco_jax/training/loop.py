@@ -31,7 +31,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import diloco
 from loco_jax.checks import require_int
 from loco_jax.training import config as config_lib
 from loco_jax.training import failure
@@ -172,7 +171,7 @@ def _train_and_evaluate(cfg, workdir, log, stop_after, watchdog, guard, profile_
 def _describe(trainer, log):
     cfg = trainer.cfg
     log(f"{mesh_lib.describe(trainer.mesh)}; model {model_lib.count_params(trainer.mcfg):,} parameters; "
-        f"{'Streaming DiLoCo' if cfg.diloco.enabled else 'data parallel'}, loco bits={cfg.loco.bits}")
+        f"{trainer.strategy.name}, loco bits={cfg.loco.bits}")
     if cfg.optim.warmup_steps >= cfg.steps:
         log(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} >= steps={cfg.steps}; the warm-up is shortened to "
             f"{max(cfg.steps - 1, 0)} step(s) so the learning rate still reaches its peak and decays")
@@ -209,7 +208,7 @@ class _Run:
             truncate_metrics(workdir, self.start)  # rows logged after the checkpoint (or with none) come again
         # Reads at the start are fine: the loop reads the device only at sync steps.
         self.counts_seen = trainer.skipped(self.state)
-        self.offset = _schedule_offset(trainer, self.state, self.start) if self.resumed else 0
+        self.offset = trainer.strategy.schedule_offset(self.state, self.start) if self.resumed else 0
         self.window = StepWindow(cfg.batch_size * cfg.seq_len, trainer.read_steps, self.counts_seen)
         if self.resumed:  # the steps since the last log row, read when the checkpoint was written
             self.window.carry_unlogged(meta.get("unlogged", []))
@@ -393,15 +392,6 @@ def _already_finished(cfg, workdir, latest, log):
     return {"last_step": latest, "eval_loss": evals[-1] if evals else None, "stopped": False, "state": None}
 
 
-def _schedule_offset(trainer, state, start):
-    """Loop steps minus DiLoCo's own count at a resume: 0, except for checkpoints written before the
-    schedule counted skipped steps (they held the applied steps only); the phase of loop step ``t`` is
-    ``phase(t - offset)`` either way."""
-    if not trainer.cfg.diloco.enabled:
-        return 0
-    return start - int(state.opt_state.step)
-
-
 def read_on_host(outs):
     """:meth:`Trainer.read_steps` for outputs that need no cross-replica program (one replica's, or host
     values): the same rows, computed with NumPy."""
@@ -498,10 +488,7 @@ class StepWindow:
             "bytes_sent_per_device": bytes_so_far, "skipped_steps": int(skipped.sum()),
             "grad_rms": sum(grad_rms) / len(grad_rms),
         }
-        if trainer.cfg.diloco.enabled:  # the exchanges dropped, and who skipped
-            row["dropped_exchanges"] = self.counts["dropped"]
-            if len(skipped) > 1:
-                row["skipped_by_replica"] = [int(n) for n in skipped]
+        row.update(trainer.strategy.log_fields(self.counts))
         self.host, self.t_last, self.carried = [], now, 0
         return row
 
@@ -514,10 +501,10 @@ def check_replicas_identical(trainer, state, resumed):
     differ between syncs by design). The largest max - min over ``replica``, on device
     (:func:`replica_gap`).
     """
-    if not trainer.cfg.diloco.enabled or trainer.m == 1:
+    compared = trainer.strategy.compared_params(state, resumed, trainer.param_specs, trainer.global_param_specs)
+    if compared is None or trainer.m == 1:
         return
-    tree, spec = ((diloco.global_params(state.opt_state), trainer.global_param_specs) if resumed
-                  else (state.params, trainer.param_specs))
+    tree, spec = compared
     fn = jax.jit(jax.shard_map(replica_gap, mesh=trainer.mesh, in_specs=(spec,), out_specs=P(), check_vma=False))
     gap = float(fn(tree))
     if gap != 0.0:

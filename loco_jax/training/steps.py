@@ -22,10 +22,11 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import backward, diloco, fragments, fsdp, loco, specs
+from loco_jax import backward, fragments, fsdp, loco, specs
 from loco_jax import collectives as coll
 from loco_jax.training import config as config_lib
 from loco_jax.training import model as model_lib
+from loco_jax.training import strategy
 
 BATCH_SPEC = P(("replica", "data"))  # the batch over a (replica, data) mesh; batch_spec(mesh) for any mesh
 
@@ -121,17 +122,7 @@ def make_optimizer(cfg: config_lib.Config, shard_dims=None, norm_dims=None, grou
             parts.append(optax.clip_by_global_norm(o.grad_clip))
     parts.append(inner_update_rule(cfg))
     inner = optax.chain(*parts)
-    d = cfg.diloco
-    if not d.enabled:
-        return loco.skip_nonfinite(inner)  # a non-finite step leaves Adam untouched too
-    outer = optax.sgd(d.outer_lr, momentum=d.outer_momentum or None, nesterov=d.outer_momentum > 0)
-    return diloco.diloco(
-        inner, sync_every=d.sync_every, outer=outer, num_fragments=d.num_fragments, overlap=d.overlap,
-        alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, rotate=d.rotate, mode=d.mode,
-        block_size=d.block_size, preset=d.preset, seed=cfg.seed, data_axis=None if sharded else "data",
-        density=d.density, chunk=d.chunk, error_decay=d.error_decay, keep_unsent=d.keep_unsent,
-        average_over=d.average_over, chunks=d.chunks,
-    )
+    return strategy.of(cfg).wrap(inner, sharded)
 
 
 def model_config(cfg: config_lib.Config, device=None) -> model_lib.ModelConfig:

@@ -14,11 +14,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import diloco, fsdp, hlo, loco
+from loco_jax import fsdp, hlo, loco
 from loco_jax.training import config as config_lib
 from loco_jax.training import mesh as mesh_lib
 from loco_jax.training import model as model_lib
-from loco_jax.training import steps
+from loco_jax.training import steps, strategy
 from loco_jax.training.dataset import Dataset
 from loco_jax.training.metrics import emit
 from loco_jax.training.steps import TrainState, learning_rate_schedule, make_optimizer, model_config
@@ -75,22 +75,14 @@ class Trainer:
         """``devices``: the mesh's devices (default: every visible one; compile-only GPU devices from
         ``jax.experimental.topologies`` let tools compile for GPUs on a machine without one)."""
         cfg = config_lib.resolve(cfg)  # idempotent on a resolved config; None settings take the library defaults
+        config_lib.validate(cfg)  # what the config alone refuses, for callers that build a Trainer directly
         self.cfg, self.workdir, self.log = cfg, workdir, log
-        if cfg.mesh.local > 1 and (cfg.diloco.enabled or cfg.mesh.fsdp):
-            raise ValueError(
-                f"mesh.local={cfg.mesh.local} (hierarchical LoCo over hosts x local devices) is for data parallel "
-                f"with replicated state; this config has diloco.enabled={cfg.diloco.enabled}, "
-                f"mesh.fsdp={cfg.mesh.fsdp}. Set mesh.local=1, or turn those off."
-            )
         self.mesh = mesh_lib.make_mesh(cfg.mesh.replicas, cfg.mesh.data, cfg.mesh.local, devices=devices)
         # d: the devices of one replica (data x local)
         self.m, self.d = self.mesh.shape["replica"], self.mesh.shape["data"] * self.mesh.shape.get("local", 1)
         self.batch_spec = steps.batch_spec(self.mesh)
-        if not cfg.diloco.enabled and self.m != 1:
-            raise ValueError(
-                f"mesh.replicas={self.m} needs diloco.enabled=True; plain data parallel runs on one replica "
-                "(set mesh.replicas=1 to average over every device)."
-            )
+        self.strategy = strategy.of(cfg)
+        self.strategy.check_replicas(self.m)
         n_dev = self.m * self.d
         if cfg.batch_size % n_dev:
             raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {n_dev} devices of the mesh.")
@@ -101,17 +93,11 @@ class Trainer:
         full = model_lib.abstract_params(self.mcfg)
         # FSDP: the dimension each leaf is cut on over the data devices (refused by name before compiling)
         self.shard_dims = fsdp.shard_dims(full, self.d) if cfg.mesh.fsdp else None
-        if cfg.loco.in_backward and cfg.mesh.local > 1:
-            raise ValueError(f"loco.in_backward=True does not combine with mesh.local={cfg.mesh.local} (the "
-                             "hierarchical all-reduce); set one of them off.")
-        if cfg.loco.in_backward and not cfg.model.scan_layers:
-            raise ValueError("loco.in_backward=True exchanges each layer in a scanned stack's backward loop; it needs "
-                             "model.scan_layers=true (set it, or set loco.in_backward=false).")
         # in-backward: one LoCo bucket per layer, exchanged as the backward pass produces it
         groups = steps.bucket_groups(full) if cfg.loco.in_backward else None
         self.exchanger = steps.make_exchanger(cfg, self.shard_dims, groups) if cfg.loco.in_backward else None
         self.tx = make_optimizer(cfg, self.shard_dims, norm_dims=self._norm_dims(full), groups=groups)
-        leading = "replica" if cfg.diloco.enabled else None
+        leading = self.strategy.leading
         if self.shard_dims is not None:
             self.param_specs = fsdp.partition_specs(self.shard_dims, "data", leading=leading)
             self.global_param_specs = fsdp.partition_specs(self.shard_dims, "data")
@@ -120,8 +106,7 @@ class Trainer:
             self.param_specs = jax.tree.map(lambda _: P() if leading is None else P(leading), full)
             self.global_param_specs = jax.tree.map(lambda _: P(), full)
             local = full
-        if cfg.diloco.enabled:
-            self.tx.plan(local)  # fragments checked before anything compiles
+        self.strategy.check_plan(self.tx, local)  # before anything compiles
         self.schedule = learning_rate_schedule(cfg)
         self._dataset = None
         self._programs, self.program_bytes = {}, {}
@@ -155,15 +140,9 @@ class Trainer:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
     def tile(self, params):
-        """One block of local parameters per replica, stacked on dim 0 (DiLoCo); else as is.
-
-        A broadcast, then a reshape: compiled with the replica-split output sharding, each device keeps
-        its own block and nothing moves (a concatenate of M copies compiled to one all-to-all per leaf,
-        no two of them ordered)."""
-        if not self.cfg.diloco.enabled:
-            return params
-        return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (self.m,) + x.shape).reshape(
-            (self.m * x.shape[0],) + x.shape[1:]), params)
+        """The model's parameters as the state holds them (:meth:`strategy.StreamingDiLoCo.tile`: one block
+        per replica; data parallel: as they are)."""
+        return self.strategy.tile(params, self.m)
 
     def init_state(self):
         key = jax.random.PRNGKey(self.cfg.seed)
@@ -181,13 +160,11 @@ class Trainer:
         return init(params)
 
     def _state_specs(self, params):
-        if self.cfg.diloco.enabled:
-            return diloco.state_specs(self.tx, params, self.mesh, in_specs=self.param_specs)
-        return loco.state_specs(self.tx, params, self.mesh, in_specs=self.param_specs)
+        return self.strategy.state_specs(self.tx, params, self.mesh, self.param_specs)
 
     def abstract_state(self):
         """Shapes and shardings of the train state, without allocating it (for restores)."""
-        m = self.m if self.cfg.diloco.enabled else 1
+        m = self.strategy.replicas_stacked(self.m)
         params = jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct((a.shape[0] * m,) + tuple(a.shape[1:]), a.dtype, sharding=sh),
             model_lib.abstract_params(self.mcfg), self.shardings(self.param_specs))
@@ -296,9 +273,7 @@ class Trainer:
         return float(self._programs["diag"](state.opt_state))
 
     def eval_params(self, state):
-        if self.cfg.diloco.enabled:
-            return diloco.global_params(state.opt_state)
-        return state.params
+        return self.strategy.model_params(state)
 
     def put_batch(self, rows):
         sharding = NamedSharding(self.mesh, self.batch_spec)
@@ -313,24 +288,16 @@ class Trainer:
     # ------------------------------------------------------------ loop
 
     def phase(self, step):
-        """The compiled program's key for loop step ``step``: its DiLoCo phase (None for data parallel).
-
-        From the host's step count alone: DiLoCo's schedule counts skipped steps too (``diloco`` module
-        docstring), so the device's ``step`` equals the loop's and nothing is read back to pick a program.
-        """
-        return self.tx.phase(step) if self.cfg.diloco.enabled else None
+        """The compiled program's key for loop step ``step``: its DiLoCo phase (None for data parallel)."""
+        return self.strategy.phase(self.tx, step)
 
     def _counts(self, opt_state):
-        """The optimizer's skip counts: DiLoCo's per-replica ``skipped`` and its ``dropped`` rounds, or
-        skip_nonfinite's ``skipped`` (data parallel: every device skips together)."""
-        if self.cfg.diloco.enabled:
-            return {"skipped": opt_state.skipped, "dropped": opt_state.dropped}
-        return {"skipped": opt_state.skipped}
+        """The optimizer's skip counts (:meth:`strategy.DataParallel.counts`)."""
+        return self.strategy.counts(opt_state)
 
     def _count_specs(self):
-        """How the step programs return the skip counts: per replica under DiLoCo, with ``dropped``
-        replicated; one replicated count for data parallel."""
-        return {"skipped": P("replica"), "dropped": P()} if self.cfg.diloco.enabled else {"skipped": P()}
+        """How the step programs return the skip counts (:attr:`strategy.DataParallel.count_specs`)."""
+        return self.strategy.count_specs
 
     def skipped(self, state):
         """The skip counts so far, on the host: ``skipped`` one per replica (data parallel: one), and

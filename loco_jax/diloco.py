@@ -67,8 +67,8 @@ Two ways to run it:
   where overlap does not matter.
 
 Non-finite values: replicas decide alone between syncs, and together at
-the exchange. The inner step is traced under
-:func:`loco_jax.specs.independent_of` the replica axis, so its finite flag
+the exchange. The inner optimizer's ``update`` is passed the replica axis as
+``independent_axes`` (:mod:`loco_jax.nonfinite`), so its finite flag
 (over the step's gradients and inner updates, and any flag the inner
 optimizer takes, e.g. :func:`loco_jax.loco.compress`'s) is reduced over one
 replica's devices only: a replica with a NaN or Inf skips its own inner step
@@ -115,7 +115,8 @@ from loco_jax import quant, specs
 from loco_jax import sparse as sparse_lib
 from loco_jax.checks import is_int, require_int
 from loco_jax import loco as loco_lib
-from loco_jax.loco import error_feedback, global_all_finite
+from loco_jax.loco import error_feedback
+from loco_jax.nonfinite import INDEPENDENT, all_finite, decision_axes, select
 
 MODES = coll.MODES
 
@@ -216,7 +217,7 @@ def per_replica(inner_state, axis_name):
 
 def replica_finite(tree, axis_name):
     """All of ``tree`` finite on every device of this replica (no collective over ``axis_name``)."""
-    return global_all_finite(tree, tuple(a for a in specs.manual_axes() if a != axis_name))
+    return all_finite(tree, decision_axes((axis_name,)))
 
 
 class Exchange(NamedTuple):
@@ -400,7 +401,7 @@ def merge(plan, p, mean_delta, global_params, local, outer, outer_state, alpha, 
     merged_flat = jnp.where(delivered, merged_flat, plan.extract(global_params, p))
     mixed = jnp.where(delivered, mixed, local_flat)
     return (plan.insert(global_params, p, merged_flat), plan.insert(local, p, mixed),
-            _select(delivered, new_outer, outer_state))
+            select(delivered, new_outer, outer_state))
 
 
 @functools.lru_cache(maxsize=64)
@@ -452,6 +453,7 @@ def relayout_inflight(inflight, sizes, fragment, old_mesh, new_mesh, slice_len, 
 SPARSE_FORMATS = {1: "int", 2: "uniform", 4: "int", 8: "int"}
 
 
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the default outer step (outer=None): Nesterov SGD
 AVERAGE_OVER = ("senders", "replicas")  # diloco(average_over=): a sparse mean's divisor, the default first
 CHUNKS = ("flat", "leaves")  # diloco(chunks=): a sparse exchange's chunks
 
@@ -644,11 +646,12 @@ class OuterLoop(NamedTuple):
         """This replica's inner step, or none where its gradients or updates are non-finite."""
         own = jax.eval_shape(self.inner.init, params)  # the inner state's own shapes (scalars are stored as (1,))
         inner_in = jax.tree.map(lambda x, a: x.reshape(a.shape), state.inner, own)
-        with specs.independent_of(self.ex.axis_name):
-            updates, new_inner = self.inner.update(grads, inner_in, params, **extra)
+        # replicas train alone: the inner optimizer's decisions are agreed within this replica only
+        extra = dict(extra, **{INDEPENDENT: tuple(extra.get(INDEPENDENT, ())) + (self.ex.axis_name,)})
+        updates, new_inner = self.inner.update(grads, inner_in, params, **extra)
         ok = replica_finite((grads, updates), self.ex.axis_name)
         updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
-        kept = _select(ok, per_replica(new_inner, self.ex.axis_name), state.inner)
+        kept = select(ok, per_replica(new_inner, self.ex.axis_name), state.inner)
         return optax.apply_updates(params, updates), kept, ok
 
     def step(self, ph: Phase, grads, state, params, extra):
@@ -682,7 +685,7 @@ class OuterLoop(NamedTuple):
             sent_ok = replica_finite(mean_slice, self.ex.axis_name)
             dropped = dropped + (~sent_ok).astype(jnp.int32)
             if stored is not None:  # a dropped round was not delivered: its error is not fed back
-                error[p], error_scale[p] = _select(sent_ok, stored, (error[p], error_scale[p]))
+                error[p], error_scale[p] = select(sent_ok, stored, (error[p], error_scale[p]))
             if ph.apply == p:
                 mean_now, codes_now = mean_slice, codes
             else:  # a dropped round leaves the slot empty (NaN): its apply step leaves the fragment out
@@ -846,7 +849,7 @@ def diloco(
     if compensate and bits is None:
         raise ValueError("compensate=True compensates quantization error, but bits=None exchanges exact fp32; set bits.")
     if outer is None:
-        outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+        outer = optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
     ex = Exchange(axis_name, data_axis, bits, coll.QuantConfig(bits or 8, block_size, format, rotate, seed), mode,
                   compensate, error_beta if sparse_cfg is None else error_decay, error_bits, sparse_cfg, keep_unsent,
                   average_over, chunks)
@@ -877,10 +880,6 @@ def diloco(
 
     tx.relayout_inflight = relayout
     return tx
-
-
-def _select(ok, new, old):
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def _split(flat, like):

@@ -46,7 +46,9 @@ alone). When it is false the step is skipped on all of them: the state is unchan
 counts such steps, and the updates are zeros (``nonfinite="skip"``) or NaN
 (``nonfinite="propagate"``, to let a caller or ``optax.apply_if_finite``
 act). To skip the *whole* chain (no Adam moment decay on a skipped step),
-wrap it: ``loco.skip_nonfinite(optax.chain(loco.compress(), optax.adamw(...)))``.
+wrap it: ``loco.skip_nonfinite(optax.chain(loco.compress(), optax.adamw(...)))``. The flag is agreed over
+every bound mesh axis but the ``independent_axes`` a caller passes (:mod:`loco_jax.nonfinite`; DiLoCo passes
+its replica axis, so each replica decides alone).
 
 FSDP (``reduce="scatter"``): the input is full-shape local gradients (taken
 with respect to the gathered parameters), the output is each leaf's shard of
@@ -97,6 +99,8 @@ from jax.sharding import PartitionSpec as P
 from loco_jax import collectives as coll
 from loco_jax import quant, specs
 from loco_jax.checks import is_int, require_int
+# skip_nonfinite: part of this module's public API (``loco.skip_nonfinite(optax.chain(loco.compress(), ...))``)
+from loco_jax.nonfinite import INDEPENDENT, all_finite, decision_axes, select, skip_nonfinite  # noqa: F401
 
 Reduce = Literal["mean", "scatter"]
 NonFinite = Literal["skip", "propagate"]
@@ -197,11 +201,6 @@ def stored(slots) -> dict:
             if slots and slots[0][k] is not None}
 
 
-class SkipNonfiniteState(NamedTuple):
-    inner: Any
-    skipped: jax.Array  # int32 []
-
-
 def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce, mode, nonfinite, bucket_size,
                 rotate=False, stochastic=False):
     quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=beta, rotate=rotate,
@@ -222,44 +221,6 @@ def state_axes(leaves, axis_name):
     """The mesh axes per-device state varies over: ``axis_name`` and every axis the leaves vary over."""
     varying = set().union(*(specs.varying_axes(x) for x in leaves)) if leaves else set()
     return tuple(a for a in specs.manual_axes() if a == axis_name or a in varying)
-
-
-_CHUNKED = 2**24  # values: a leaf this big is reduced one dim-0 slice at a time
-
-
-def reduce_leaf(fn, leaf):
-    """``fn(leaf)`` for a scalar reduction ``fn``; on CPU over dim-0 slices for big leaves (combined by ``fn``).
-
-    XLA:CPU materializes a reduction's elementwise input (a full fp32 or bool copy of a gradient-sized
-    leaf); slice by slice only one slice is ever materialized. GPU reductions fuse their input, and there a
-    loop over slices would be thousands of serial kernel launches per step: the choice is made for the
-    platform the program is compiled for (``lax.platform_dependent``), not the one that traces it.
-    """
-    if leaf.ndim >= 2 and leaf.size > _CHUNKED and leaf.shape[0] > 1:
-        return lax.platform_dependent(leaf, cpu=lambda x: fn(lax.map(fn, x)), default=fn)
-    return fn(leaf)
-
-
-def _all_finite(tree):
-    leaves = jax.tree.leaves(tree)
-    flag = jnp.array(True)
-    for leaf in leaves:
-        flag = flag & reduce_leaf(lambda x: jnp.all(jnp.isfinite(x)), leaf)
-    return flag
-
-
-def global_all_finite(tree, axes=None):
-    """One boolean, identical on every device of ``axes``: all of ``tree`` is finite on all of them.
-
-    Reduced with a scalar ``pmin`` over ``axes``; None: every axis of the enclosing ``shard_map`` but
-    those a caller traces as independent (:func:`loco_jax.specs.independent_of`: DiLoCo's ``replica``
-    axis, so each replica decides alone). No collective outside ``shard_map``.
-    """
-    flag = _all_finite(tree).astype(jnp.int32)
-    axes = specs.decision_axes() if axes is None else axes
-    if axes:
-        flag = lax.pmin(specs.to_varying(flag, axes), axes)
-    return flag.astype(bool)
 
 
 def rounded_apart(x, never):
@@ -292,10 +253,6 @@ def error_feedback(e, h, sent, *, beta, error_bits, block_size=quant.DEFAULT_BLO
     alike (:func:`rounded_apart`); LoCo, its in-backward exchange and DiLoCo's compensated exchange all pass one.
     """
     return quant.store(_moving_average(e, h - rounded_apart(sent, never), beta, never), error_bits, block_size=block_size)
-
-
-def _select(ok, new, old):
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def _check_grads_vary(leaves, axis_name):
@@ -763,7 +720,8 @@ class BucketStep(NamedTuple):
         return out_leaves, stored(slots)
 
     def update(self, updates, state, params=None, *, exchanged=None, **extra):
-        del extra  # the arguments of other transformations in a chain
+        # of the arguments for the chain's transformations, LoCo reads the axes its caller decides alone over
+        agreed_over = decision_axes(extra.get(INDEPENDENT, ()))
         leaves, treedef = jax.tree.flatten(updates)
         for leaf in leaves:
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -788,11 +746,11 @@ class BucketStep(NamedTuple):
             new = {f: getattr(exchanged, f) for f in SLOT_FIELDS if getattr(exchanged, f)}
         # A NaN or Inf anywhere in any device's gradient reaches some device's output (sums and decoded blocks
         # propagate it), so the outputs decide: with reduce="scatter" a pass over shards, not full gradients.
-        ok = global_all_finite(out_leaves)
+        ok = all_finite(out_leaves, agreed_over)
         fill = 0.0 if self.nonfinite == "skip" else jnp.nan
         out_leaves = [jnp.where(ok, o, jnp.asarray(fill, o.dtype)) for o in out_leaves]
         candidate = state._replace(count=inputs.t, key=jax.random.key_data(inputs.next_key), **new)
-        new_state = _select(ok, candidate, state)._replace(skipped=state.skipped + (~ok).astype(jnp.int32))
+        new_state = select(ok, candidate, state)._replace(skipped=state.skipped + (~ok).astype(jnp.int32))
         return jax.tree.unflatten(treedef, out_leaves), new_state
 
 
@@ -850,28 +808,6 @@ def find_state(opt_state) -> CompressState:
     state = nodes[0]
     scalar = lambda x: x.reshape(()) if hasattr(x, "reshape") else x  # (abstract states stay as they are)
     return state._replace(count=scalar(state.count), skipped=scalar(state.skipped))
-
-
-def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """Skips the whole ``inner`` step on every device when any gradient anywhere is non-finite.
-
-    Like ``optax.apply_if_finite``, but the decision is one flag reduced over
-    every mesh axis (:func:`global_all_finite`; inside :func:`loco_jax.diloco.diloco`, over one replica's
-    devices), so all of those devices skip together. On a skipped step the
-    updates are zeros and ``inner``'s state is unchanged; ``skipped`` counts.
-    """
-
-    def init_fn(params):
-        return SkipNonfiniteState(inner.init(params), jnp.zeros((), jnp.int32))
-
-    def update_fn(updates, state, params=None, **extra):
-        ok = global_all_finite(updates)
-        new_updates, new_inner = inner.update(updates, state.inner, params, **extra)
-        new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
-        new_inner = _select(ok, new_inner, state.inner)
-        return new_updates, SkipNonfiniteState(new_inner, state.skipped + (~ok).astype(jnp.int32))
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def error_rms(state, block_size: int = quant.DEFAULT_BLOCK_SIZE, error_bits: int | None = 8):

@@ -18,15 +18,9 @@ DiLoCo. Replica ``m``'s block of a leaf of local shape ``(d0, ...)`` is rows
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
-
-_independent = threading.local()  # trace-time only: the axes decisions are not agreed over
-
 
 def varying_axes(x) -> frozenset:
     """Mesh axes over which ``x`` is typed as varying (empty under check_vma=False)."""
@@ -43,29 +37,6 @@ def manual_axes() -> tuple:
     if mesh is None or mesh.empty:
         return ()
     return tuple(getattr(mesh, "manual_axes", ()))
-
-
-@contextlib.contextmanager
-def independent_of(*axis_names):
-    """While tracing under this context, per-step decisions are not agreed over ``axis_names``.
-
-    :mod:`loco_jax.diloco` traces its inner optimizer under ``independent_of("replica")``: replicas
-    train alone between syncs, so a finite flag (:func:`decision_axes`) is reduced over one replica's
-    devices only and a quiet step sends nothing across replicas. A trace-time setting, like a name scope:
-    it changes which collectives are built, never a value at run time.
-    """
-    previous = getattr(_independent, "axes", frozenset())
-    _independent.axes = previous | frozenset(axis_names)
-    try:
-        yield
-    finally:
-        _independent.axes = previous
-
-
-def decision_axes() -> tuple:
-    """The bound mesh axes a per-step decision is agreed over: all of them but those of :func:`independent_of`."""
-    skip = getattr(_independent, "axes", frozenset())
-    return tuple(a for a in manual_axes() if a not in skip)
 
 
 def check_vma_enabled(axis_name) -> bool:

@@ -86,3 +86,26 @@ def test_config_json_records_the_resolved_settings_and_an_old_workdir_resumes(te
     with pytest.raises(ValueError, match="loco.format"):
         train_and_evaluate(small_config(text_file, **{"loco.bits": "2", "diloco.bits": "2",
                                                               "loco.format": "uniform", "steps": 14}), workdir, log=quiet)
+
+
+def test_the_config_takes_its_defaults_from_the_library():
+    """Every config field that sets an argument of ``loco.compress`` or ``diloco.diloco`` defaults to that
+    argument's own default (one set of defaults), but for the application's stated choices: ``loco.bits``
+    (the exact mean) and ``diloco.sync_every`` (the library has none). The outer step's defaults are the
+    library's constants, which ``diloco(outer=None)`` builds its Nesterov SGD from."""
+    import dataclasses
+    import inspect
+
+    from loco_jax import diloco, loco
+    from loco_jax.training import config as config_lib
+
+    own = {("loco", "bits"), ("diloco", "sync_every")}
+    for section, fields, fn in (("loco", config_lib.LocoFields(), loco.compress),
+                                ("diloco", config_lib.DilocoFields(), diloco.diloco)):
+        params = inspect.signature(fn).parameters
+        shared = [f.name for f in dataclasses.fields(fields) if f.name in params and (section, f.name) not in own]
+        assert len(shared) >= 10, shared
+        for name in shared:
+            assert getattr(fields, name) == params[name].default, (section, name)
+    d = config_lib.DilocoFields()
+    assert (d.outer_lr, d.outer_momentum) == (diloco.OUTER_LR, diloco.OUTER_MOMENTUM) == (0.7, 0.9)

@@ -130,27 +130,27 @@ def test_tiny_recipe_compiled_for_eight_h200s(cuda_plugin, tmp_path):
 _REDUCE_BIG_LEAF = """
 import jax, jax.numpy as jnp, numpy as np
 from benchmarks import gpu_schedule
-from loco_jax import loco
+from loco_jax import nonfinite
 from jax.sharding import NamedSharding, PartitionSpec as P
 mesh = jax.sharding.Mesh(np.array(gpu_schedule.gpu_devices()[:1]), ("d",))
 x = jax.ShapeDtypeStruct((4097, 4096), jnp.float32, sharding=NamedSharding(mesh, P()))
-f = jax.jit(lambda a: loco.reduce_leaf(lambda v: jnp.sum(jnp.square(v)), a))
+f = jax.jit(lambda a: nonfinite.reduce_leaf(lambda v: jnp.sum(jnp.square(v)), a))
 s = gpu_schedule.analyze(f.trace(x).lower().compile().as_text(), replicas=1, devices=1)
 print(len(s.while_loops))
 """
 
 
 def test_big_leaf_reductions_slice_on_cpu_and_fuse_on_gpu(cuda_plugin):
-    """``loco.reduce_leaf`` (the finite flag, the gradient's norm) loops over dim-0 slices of a big leaf on
+    """``nonfinite.reduce_leaf`` (the finite flag, the gradient's norm) loops over dim-0 slices of a big leaf on
     CPU only, where a fused reduction would copy the leaf; compiled for a GPU it is one reduction."""
     import numpy as np
     from jax import lax
 
-    from loco_jax import loco
+    from loco_jax import nonfinite
 
     x = np.random.default_rng(0).standard_normal((4097, 4096), dtype=np.float32)
     fn = lambda v: jax.numpy.sum(jax.numpy.square(v))
-    f = jax.jit(lambda a: loco.reduce_leaf(fn, a))
+    f = jax.jit(lambda a: nonfinite.reduce_leaf(fn, a))
     assert f.lower(x).compile().as_text().count(" while(") == 1
     assert float(f(x)) == float(jax.jit(lambda a: fn(lax.map(fn, a)))(x))  # the CPU path as it was
     result = subprocess.run([sys.executable, "-c", _REDUCE_BIG_LEAF], env=_plugin_env(cuda_plugin), capture_output=True,

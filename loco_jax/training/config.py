@@ -9,14 +9,17 @@ valid keys. ``None`` is accepted where the field allows it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import inspect
 import json
 import os
 import types
 import typing
 
+from loco_jax import diloco as diloco_lib
+from loco_jax import loco as loco_lib
 from loco_jax.checks import require_int
-from loco_jax.sparse import DEFAULT_CHUNK
 from loco_jax.training import shapes
 
 
@@ -110,6 +113,16 @@ class OptimFields:
     grad_clip: float | None = 1.0
 
 
+def library_default(fn, name):
+    """The default of argument ``name`` of the library's ``fn``: a field that sets a library argument
+    defaults to the library's own value, so the two cannot drift apart."""
+    return inspect.signature(fn).parameters[name].default
+
+
+_loco = functools.partial(library_default, loco_lib.compress)
+_diloco = functools.partial(library_default, diloco_lib.diloco)
+
+
 @dataclasses.dataclass
 class LocoFields:
     """``loco.compress`` on the ``data`` axis; ``bits=None`` is the exact fp32 mean.
@@ -119,17 +132,17 @@ class LocoFields:
     reference settings). ``config.json`` records what they resolved to.
     """
 
-    bits: int | None = None
-    beta: float | None = None
-    compensate: bool | None = None
-    error_bits: int | None = 8
-    block_size: int = 256
-    reset_every: int | None = 1024
-    compensate_second_stage: bool | None = None
-    format: str | None = None
-    rotate: bool | None = None
-    preset: str = "measured"
-    bucket_size: int | None = None  # values per all-reduce bucket (whole leaves); None: one bucket
+    bits: int | None = None  # the application's default: the exact mean (the library's compress(): 4)
+    beta: float | None = _loco("beta")
+    compensate: bool | None = _loco("compensate")
+    error_bits: int | None = _loco("error_bits")
+    block_size: int = _loco("block_size")
+    reset_every: int | None = _loco("reset_every")
+    compensate_second_stage: bool | None = _loco("compensate_second_stage")
+    format: str | None = _loco("format")
+    rotate: bool | None = _loco("rotate")
+    preset: str = _loco("preset")
+    bucket_size: int | None = _loco("bucket_size")  # values per all-reduce bucket (whole leaves); None: one bucket
     # True: each block's gradient is exchanged in the scanned stack's backward pass as soon as it exists (one
     # bucket per block; the embedding and the head after the backward pass; loco_jax.backward), under the
     # next block's backward compute. Needs model.scan_layers=true.
@@ -141,35 +154,35 @@ class DilocoFields:
     """``diloco.diloco`` on the ``replica`` axis; ``enabled=False`` is plain data parallel."""
 
     enabled: bool = False
-    sync_every: int = 50
-    num_fragments: int = 1
-    overlap: int = 0
-    alpha: float = 0.0
-    bits: int | None = None
-    format: str | None = None  # None (and rotate, compensate): diloco.MEASURED's default for these bits
-    compensate: bool | None = None
-    rotate: bool | None = None
-    preset: str = "measured"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    mode: str = "all_gather"
-    block_size: int = 256  # values per scale in the outer-gradient payload
+    sync_every: int = 50  # the application's default (the library's diloco() has none)
+    num_fragments: int = _diloco("num_fragments")
+    overlap: int = _diloco("overlap")
+    alpha: float = _diloco("alpha")
+    bits: int | None = _diloco("bits")
+    format: str | None = _diloco("format")  # None (and rotate, compensate): diloco.MEASURED's default for these bits
+    compensate: bool | None = _diloco("compensate")
+    rotate: bool | None = _diloco("rotate")
+    preset: str = _diloco("preset")
+    outer_lr: float = diloco_lib.OUTER_LR
+    outer_momentum: float = diloco_lib.OUTER_MOMENTUM
+    mode: str = _diloco("mode")
+    block_size: int = _diloco("block_size")  # values per scale in the outer-gradient payload
     # Sparse exchange (diloco.diloco(density=...)): each chunk's top density x chunk entries, their values at
     # `bits`, with an fp32 error-feedback accumulator e <- error_decay e + Delta (None: 1). The outer rules:
     # Nesterov (outer_momentum > 0, the default) on the decoded mean; SparseLoCo's (outer_momentum=0,
     # outer_lr=1, error_decay=0.95): the decayed accumulator stands in for the momentum.
-    density: float | None = None
-    chunk: int = DEFAULT_CHUNK
-    error_decay: float | None = None
+    density: float | None = _diloco("density")
+    chunk: int = _diloco("chunk")
+    error_decay: float | None = _diloco("error_decay")
     # True: each replica keeps its own unsent progress (restarts from the global parameters less its decayed
     # accumulator instead of the global parameters); needs alpha=0 and overlap <= 1 (diloco.diloco(keep_unsent)).
-    keep_unsent: bool = False
+    keep_unsent: bool = _diloco("keep_unsent")
     # the sparse mean of each entry: over the "senders" (the replicas whose payload holds it, as SparseLoCo's
     # code averages) or over the M "replicas" (unsent entries count as zeros); diloco.diloco(average_over).
-    average_over: str = "senders"
+    average_over: str = _diloco("average_over")
     # a sparse exchange's chunks: "flat" (every `chunk` values of the flattened fragment) or "leaves" (tiles of
     # sqrt(chunk) per side of each matrix, pieces of each vector, k scaled to each; diloco.diloco(chunks))
-    chunks: str = "flat"
+    chunks: str = _diloco("chunks")
 
 
 @dataclasses.dataclass
@@ -215,9 +228,7 @@ RESOLVED_FIELDS = {
 
 
 def _library(section):
-    from loco_jax import diloco, loco  # the library; it imports nothing of the application
-
-    return {"loco": loco, "diloco": diloco}[section]
+    return {"loco": loco_lib, "diloco": diloco_lib}[section]
 
 
 def resolve(cfg: Config, saved: dict | None = None) -> Config:

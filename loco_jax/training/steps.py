@@ -22,7 +22,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import backward, fragments, fsdp, loco, specs
+from loco_jax import backward, fragments, fsdp, loco, nonfinite, specs
 from loco_jax import collectives as coll
 from loco_jax.training import config as config_lib
 from loco_jax.training import model as model_lib
@@ -463,7 +463,7 @@ def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shar
         loss, grads = loss_and_grad(local_grad_fn(mcfg, params, shard_dims), inputs, targets, accum_steps)
         updates, opt_state = tx.update(grads, opt_state, params, **extra)
         # squares in the gradient's dtype, summed in fp32: no fp32 copy of a gradient-sized leaf is made
-        grad_sq = sum(loco.reduce_leaf(lambda x: jnp.sum(jnp.square(x), dtype=jnp.float32), g)
+        grad_sq = sum(nonfinite.reduce_leaf(lambda x: jnp.sum(jnp.square(x), dtype=jnp.float32), g)
                       for g in jax.tree.leaves(grads))
         n = float(sum(g.size for g in jax.tree.leaves(grads)))  # a Python float: 8B values overflow int32
     else:

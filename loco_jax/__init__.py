@@ -9,17 +9,18 @@ The library, which depends on jax, optax and numpy only:
 - :mod:`~loco_jax.diloco`: DiLoCo and Streaming DiLoCo, an outer optimizer over the ``replica`` axis;
 - :mod:`~loco_jax.sparse`: sparse payloads (each chunk's top-k entries) for DiLoCo's sparse exchange;
 - :mod:`~loco_jax.fragments`: the fragments of a parameter tree that Streaming DiLoCo syncs in turn;
+- :mod:`~loco_jax.nonfinite`: the non-finite rule, one flag per step agreed over named mesh axes;
 - :mod:`~loco_jax.fsdp`: FSDP's shard layout, parameter gathers and clipping over every shard;
 - :mod:`~loco_jax.specs`: ``PartitionSpec`` of state leaves from their varying axes;
 - :mod:`~loco_jax.hlo`: wire bytes of every collective, read from compiled HLO;
 - :mod:`~loco_jax.checks`: the argument checks the library and the application share.
 
 The training application (config, mesh, data, model, trainer) is :mod:`loco_jax.training`; the
-library imports nothing from it. ``loco_jax.config``, ``data``, ``mesh``, ``model`` and ``trainer``
-are the application's old import paths, kept for users' existing scripts.
+library imports nothing from it.
 """
 
-from loco_jax import backward, checks, collectives, diloco, fragments, fsdp, hlo, loco, quant, sparse, specs
+from loco_jax import backward, checks, collectives, diloco, fragments, fsdp, hlo, loco, nonfinite, quant, sparse, specs
 
-__all__ = ["backward", "checks", "collectives", "diloco", "fragments", "fsdp", "hlo", "loco", "quant", "sparse", "specs"]
+__all__ = ["backward", "checks", "collectives", "diloco", "fragments", "fsdp", "hlo", "loco", "nonfinite", "quant",
+           "sparse", "specs"]
 __version__ = "0.1.0"

@@ -47,44 +47,21 @@ def test_library_imports_nothing_of_the_training_application():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_layout_section_names_every_module_and_old_paths_still_import():
-    import importlib
-
+def test_layout_section_names_every_module():
     layout = README[README.index("## Layout"):]
-    for path in sorted((ROOT / "loco_jax" / "training").glob("*.py")):
+    for path in sorted([*(ROOT / "loco_jax").glob("*.py"), *(ROOT / "loco_jax" / "training").glob("*.py")]):
         if path.name != "__init__.py":
-            assert f"  {path.name}" in layout, f"README's layout misses loco_jax/training/{path.name}"
-    for old in ("config", "mesh", "model", "data"):
-        assert importlib.import_module(f"loco_jax.{old}") is importlib.import_module(f"loco_jax.training.{old}")
-    from loco_jax import trainer
-    from loco_jax.config import Config  # noqa: F401  (the path users' older config files use)
-
-    assert trainer.train_and_evaluate.__module__ == "loco_jax.training.loop"
+            assert f"  {path.name}" in layout or f"/{path.name}" in layout, f"README's layout misses {path}"
 
 
-OLD_PATHS = ("config", "data", "mesh", "model", "trainer")  # shims of loco_jax.training, kept for users' old scripts
-
-
-def test_the_project_imports_the_application_from_its_package_not_through_the_old_paths():
-    """train.py, prepare_data.py, configs, benchmarks and tests import the application from loco_jax.training;
-    the old paths stay for users' scripts (this file's layout test imports them on purpose)."""
-    import ast
+def test_the_library_package_exports_the_library_only_and_no_old_application_paths():
+    """``loco_jax`` lists its library modules; the application lives in ``loco_jax.training`` alone (the
+    old top-level paths ``loco_jax.config``, ``data``, ``mesh``, ``model``, ``trainer`` are gone)."""
+    import importlib.util
 
     library = __import__("loco_jax").__all__
-    assert set(library) >= {"quant", "collectives", "loco", "backward", "diloco", "fragments", "fsdp", "hlo", "specs"}
-    assert not set(library) & {"training", *OLD_PATHS}
-    files = [ROOT / "train.py", ROOT / "prepare_data.py", *(ROOT / "configs").glob("*.py"),
-             *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "tests").glob("*.py")]
-    through = []
-    for path in files:
-        if path.name == "test_readme.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module == "loco_jax":
-                through += [f"{path.name}: from loco_jax import {a.name}" for a in node.names if a.name in OLD_PATHS]
-            elif isinstance(node, ast.ImportFrom) and node.module in {f"loco_jax.{m}" for m in OLD_PATHS}:
-                through.append(f"{path.name}: from {node.module} import ...")
-            elif isinstance(node, ast.Import):
-                through += [f"{path.name}: import {a.name}" for a in node.names
-                            if a.name in {f"loco_jax.{m}" for m in OLD_PATHS}]
-    assert not through, through
+    assert set(library) >= {"quant", "collectives", "loco", "backward", "diloco", "fragments", "fsdp", "hlo", "specs",
+                            "nonfinite", "sparse"}
+    assert "training" not in library
+    for old in ("config", "data", "mesh", "model", "trainer"):
+        assert importlib.util.find_spec(f"loco_jax.{old}") is None, old

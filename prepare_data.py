@@ -8,7 +8,7 @@ Inputs: ``.txt`` files (one document each) and ``.jsonl`` files (one document pe
 SentencePiece BPE model trained on ``--sample-chars`` characters spread over the input (saved as
 ``DIR/tokenizer.model``), an existing model (``--sp-model``), or UTF-8 bytes (``--tokenizer byte``).
 Every ``--eval-every``-th document is held out for evaluation. The layout, the manifest and the
-guarantees are in ``loco_jax/training/shards.py``.
+guarantees are in ``loco_jax/training/shard_format.py``.
 """
 
 import argparse
@@ -18,7 +18,9 @@ import sys
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    from loco_jax.training import shards
+    from loco_jax.training import prepare
+    from loco_jax.training import shard_format
+    from loco_jax.training import shard_reader
 
     p = argparse.ArgumentParser(description="Tokenize text into token shards for train.py (--set data.path=DIR).")
     p.add_argument("--input", "-i", nargs="+", required=True, metavar="PATH",
@@ -30,14 +32,14 @@ def main(argv=None):
                    help="SentencePiece: the vocabulary to train (the 1B recipe uses 32000)")
     p.add_argument("--sp-model", default=None, metavar="FILE",
                    help="SentencePiece: use this existing model instead of training one")
-    p.add_argument("--sample-chars", type=int, default=shards.DEFAULT_SAMPLE_CHARS,
+    p.add_argument("--sample-chars", type=int, default=shard_format.DEFAULT_SAMPLE_CHARS,
                    help="characters of text to train the SentencePiece model on (default: %(default)s)")
-    p.add_argument("--shard-tokens", type=int, default=shards.DEFAULT_SHARD_TOKENS,
+    p.add_argument("--shard-tokens", type=int, default=shard_format.DEFAULT_SHARD_TOKENS,
                    help="tokens per shard (default: %(default)s)")
-    p.add_argument("--eval-every", type=int, default=shards.DEFAULT_EVAL_EVERY,
+    p.add_argument("--eval-every", type=int, default=shard_format.DEFAULT_EVAL_EVERY,
                    help="hold out every N-th document for evaluation (default: %(default)s); with fewer "
                         "documents, the last --eval-tail of the tokens")
-    p.add_argument("--eval-tail", type=float, default=shards.DEFAULT_EVAL_TAIL,
+    p.add_argument("--eval-tail", type=float, default=shard_format.DEFAULT_EVAL_TAIL,
                    help="share of the tokens held out when no whole document is (default: %(default)s)")
     p.add_argument("--text-field", default="text", help="the field of a .jsonl line that holds the text "
                                                          "(default: %(default)s)")
@@ -48,9 +50,9 @@ def main(argv=None):
     if args.tokenizer == "sentencepiece" and args.sp_model is None and args.vocab_size is None:
         p.error("--tokenizer sentencepiece needs --vocab-size N (to train a model) or --sp-model FILE")
 
-    progress = shards.TextProgress()
+    progress = prepare.TextProgress()
     try:
-        manifest = shards.prepare(
+        manifest = prepare.prepare(
             args.input, args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size, sp_model=args.sp_model,
             sample_chars=args.sample_chars, shard_tokens=args.shard_tokens, eval_every=args.eval_every,
             eval_tail=args.eval_tail, text_field=args.text_field, threads=args.threads, overwrite=args.overwrite,
@@ -64,7 +66,7 @@ def main(argv=None):
                 last[:] = done, total
                 progress("verifying", done, total)
 
-            shards.verify_shards(args.output, progress=verifying)
+            shard_reader.verify_shards(args.output, progress=verifying)
             progress("verifying", *last, final=True)
             progress.close()
             print(f"verified every shard of {args.output} against its SHA-256")

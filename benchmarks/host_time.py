@@ -39,6 +39,7 @@ from benchmarks import common  # noqa: E402  (sets XLA_FLAGS before jax is impor
 import jax  # noqa: E402
 
 from loco_jax.training import config as config_lib  # noqa: E402
+from loco_jax.training import shard_writer  # noqa: E402
 from loco_jax.training import loop  # noqa: E402
 from loco_jax.training.trainer import Trainer  # noqa: E402
 
@@ -135,12 +136,10 @@ def main():
     if args.synthetic_shards:
         import numpy as np
 
-        from loco_jax.training import shards
-
         n = cfg.batch_size * cfg.seq_len * (args.steps + 8)
         tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, n, dtype=np.int64)
-        shards.write_token_shards(args.synthetic_shards, tokens, tokens[: 4 * cfg.batch_size * (cfg.seq_len + 1)],
-                                  vocab_size=cfg.model.vocab_size)  # "external" ids: only the vocabulary is checked
+        shard_writer.write_token_shards(args.synthetic_shards, tokens, tokens[: 4 * cfg.batch_size * (cfg.seq_len + 1)],
+                                        vocab_size=cfg.model.vocab_size)  # "external" ids: only the vocabulary is checked
         cfg = config_lib.override(cfg, [f"data.path={args.synthetic_shards}", "data.tokenizer=byte"])
     variants = [("after: async loop", loop.train_and_evaluate, Trainer)]
     if not args.no_before:

@@ -417,9 +417,9 @@ def data_parallel_bytes(m):
 
 
 def _epochs(steps):
-    from loco_jax.training import data
+    from loco_jax.training import corpus as corpus_lib
 
-    corpus = data.shakespeare_corpus()
+    corpus = corpus_lib.shakespeare_corpus()
     return steps * 16 * 64 / corpus.train_chars, corpus.train_chars
 
 

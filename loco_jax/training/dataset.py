@@ -5,8 +5,9 @@ from __future__ import annotations
 import jax
 
 from loco_jax.training import config as config_lib
-from loco_jax.training import data as data_lib
-from loco_jax.training import shards as shards_lib
+from loco_jax.training import batches
+from loco_jax.training import prepare
+from loco_jax.training import tokens
 
 
 class Dataset:
@@ -21,9 +22,9 @@ class Dataset:
     def __init__(self, cfg: config_lib.Config, log=print):
         d = cfg.data
         if d.path is None and d.require_path:
-            raise ValueError(shards_lib.missing_path_message(d.tokenizer, d.sp_vocab_size))
+            raise ValueError(prepare.missing_path_message(d.tokenizer, d.sp_vocab_size))
         sp = d.tokenizer == "sentencepiece"
-        self.tokens = data_lib.load_data(
+        self.tokens = tokens.load_data(
             d.path, tokenizer=d.tokenizer, vocab_size=d.sp_vocab_size if sp else None, cache_dir=d.cache_dir,
             sp_model=d.sp_model,
         )
@@ -31,7 +32,7 @@ class Dataset:
         if self.tokens.vocab_size > cfg.model.vocab_size:
             if is_shards:
                 source = f"the token shards in {d.path!r}"
-            elif d.path and data_lib.is_token_file(d.path):
+            elif d.path and tokens.is_token_file(d.path):
                 source = f"the token file {d.path!r}"
             else:
                 source = f"the {d.tokenizer} tokenizer"
@@ -57,14 +58,14 @@ class Dataset:
             f"{len(self.tokens.eval_tokens):,} eval tokens {what}")
 
     def train_iterator(self, seed, state=None):
-        batcher = data_lib.Batcher(self.tokens.train_tokens, seq_len=self.cfg.seq_len, seed=seed)
+        batcher = batches.Batcher(self.tokens.train_tokens, seq_len=self.cfg.seq_len, seed=seed)
         return _ProcessBatcher(batcher.restore(state) if state else batcher, self.process, self.processes)
 
     def eval_batches(self, batch_size, count):
         """The same ``count`` global batches every time: the first windows of the eval stream."""
-        inputs, targets = data_lib.eval_windows(self.tokens.eval_tokens, seq_len=self.cfg.seq_len,
+        inputs, targets = batches.eval_windows(self.tokens.eval_tokens, seq_len=self.cfg.seq_len,
                                                 max_windows=batch_size * count)
-        rows = data_lib.process_rows(batch_size, self.process, self.processes)
+        rows = batches.process_rows(batch_size, self.process, self.processes)
         for b in range(len(inputs) // batch_size):
             chunk = slice(b * batch_size, (b + 1) * batch_size)
             yield inputs[chunk][rows], targets[chunk][rows]

@@ -84,7 +84,7 @@ def _line_prompts(text: str, num: int) -> list[str]:
 
 
 def default_prompts(data, num: int = DEFAULT_NUM) -> list:
-    """``num`` short prompts from a run's data (a :class:`~loco_jax.training.data.TokenData` or None).
+    """``num`` short prompts from a run's data (a :class:`~loco_jax.training.tokens.TokenData` or None).
 
     Text data: the first words of ``num`` lines spread over the eval text (the training text when no
     eval text was held out), so the model continues text like the text it was judged on. Token files and

@@ -7,6 +7,9 @@ per layer, so the exchange of layer ``l`` runs under the backward compute of lay
 same buckets (``compress(groups=...)``, one per layer of the stack) the two give the same means and
 error buffers (to the bit where XLA:CPU rounds the two programs alike; tests/test_backward.py).
 
+One entry point, :func:`value_and_exchanged_grad`: the model hands it its loss, which runs the scanned
+stack through the ``stack_fn`` it is given, so the library never imports the model.
+
 How: the stack's forward is a ``custom_vjp`` function ``run(h, p, e, s, ...)`` whose backward rule
 receives the stack output's cotangent, runs the layers' backward itself, and returns::
 
@@ -50,14 +53,20 @@ collectives in no fixed order, could deadlock on them.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from loco_jax import collectives as coll
-from loco_jax import loco, specs
+from loco_jax import fsdp, loco, specs
+
+STACK = "layers"  # the key of the scanned stack of layers in the parameter tree
+
+
+def _varying(tree, axes):
+    return lax.pcast(tree, axes, to="varying") if axes else tree  # outside shard_map: nothing to cast
 
 
 def as_cotangent(slot):
@@ -342,3 +351,189 @@ def accumulate_stack(prepare: Callable, layer: Callable, first: bool, *, remat: 
 
     run.defvjp(fwd, bwd)
     return run
+
+
+class _Buckets(NamedTuple):
+    """The parameter tree as the in-backward exchange sees it: its leaves, their bucket groups outside the
+    stack (``members_of[b]``: the leaves of bucket ``b``) and the stack's leaves, with the shard dimensions
+    and full shapes FSDP needs."""
+
+    leaves: list
+    treedef: Any
+    dims: list
+    full_shapes: list
+    flat: list
+    stack: tuple
+    scatter: bool
+    cdtype: Any
+    axes: tuple
+    layer_dims: Any
+    layer_tree: Any
+    members_of: list  # per bucket outside the stack, its leaves' indices
+    dims_of: list  # per bucket outside the stack, its leaves' shard dimensions (FSDP), else None
+
+    def gathered(self, xs, xdims):
+        """A group's (or a layer's) full parameters for the model: cast to varying, or all-gathered (FSDP)."""
+        if not self.scatter:
+            return _varying(xs, self.axes)
+        return _varying(fsdp.gather(xs, xdims, "data", dtype=self.cdtype), self.axes)
+
+    def stack_part(self, tree_leaves):
+        """The stack's entries of a per-leaf list, as the stack's tree."""
+        return jax.tree.unflatten(self.layer_tree, [tree_leaves[i] for i in self.stack[0]])
+
+
+def _buckets(ex: loco.Exchanger, params, shard_dims, cdtype, data_axes) -> _Buckets:
+    leaves, treedef = jax.tree.flatten(params)
+    labels = ex.labels_of(treedef, len(leaves))
+    if any(label is None for label in labels):
+        raise ValueError("the in-backward exchange needs every parameter in a bucket group (loco.compress(groups=)).")
+    if STACK not in params:
+        raise ValueError(f"the in-backward exchange runs in a scanned stack's backward loop: it needs the "
+                         f"stacked layers under params[{STACK!r}] (a scanned model).")
+    n = lax.axis_size("data")
+    dims = jax.tree.leaves(shard_dims) if shard_dims is not None else [0] * len(leaves)
+    full_shapes = [fsdp.full_shape(x.shape, d, n) if shard_dims is not None else tuple(x.shape)
+                   for x, d in zip(leaves, dims)]
+    flat, stack = ex.layout(full_shapes, dims, labels, n)
+    scatter = shard_dims is not None
+    layer_dims = jax.tree.map(lambda d: d - 1, shard_dims[STACK]) if scatter else None
+    members_of = [[i for i, _, _ in members] for members, _ in flat]
+    dims_of = [[dims[i] for i in idx] if scatter else None for idx in members_of]
+    return _Buckets(leaves, treedef, dims, full_shapes, flat, stack, scatter, cdtype, data_axes, layer_dims,
+                    jax.tree.structure(params[STACK]), members_of, dims_of)
+
+
+def _earlier_micro_batches(loss_fn, bk: _Buckets, xs, ys, remat):
+    """The first ``n - 1`` micro-batches: ``(loss sum, fp32 gradient sums)``, each bucket's gradient added as
+    the backward pass produces it (:func:`accumulate_group` and
+    :func:`accumulate_stack`), so no micro-batch's whole gradient exists at once."""
+    members_of, dims_of = bk.members_of, bk.dims_of
+
+    def summed(x, y, acc, first):
+        def loss(acc):
+            used = list(bk.leaves)
+            # XLA:CPU: each group's gathers (FSDP) follow the one before, the first the micro-batch before
+            # (its sums), and the stack's (in its loops) follow them all
+            previous = [] if first else acc
+            for b, idx in enumerate(members_of):
+                use = accumulate_group(lambda xs, d=dims_of[b]: bk.gathered(xs, d), first)
+                previous = use(coll.after([used[i] for i in idx], previous), [acc[i] for i in idx])
+                for i, full in zip(idx, previous):
+                    used[i] = full
+            for i, leaf in zip(bk.stack[0], coll.after([used[i] for i in bk.stack[0]], previous)):
+                used[i] = leaf
+
+            def stack_fn(layer, h, stack_params, consts):
+                run = accumulate_stack(lambda p: bk.gathered(p, bk.layer_dims), layer, first, remat=remat)
+                return run(h, stack_params, bk.stack_part(acc), consts)
+
+            return loss_fn(jax.tree.unflatten(bk.treedef, used), x, y, stack_fn)
+
+        return jax.value_and_grad(loss)(acc)
+
+    # the sums vary over the data axes and over every axis the parameters vary over (DiLoCo's replica)
+    vary = set(bk.axes).union(*(specs.varying_axes(x) for x in bk.leaves))
+    zeros = [specs.to_varying(jnp.zeros(shape, jnp.float32), tuple(a for a in specs.manual_axes() if a in vary))
+             for shape in bk.full_shapes]
+    loss_sum, acc = summed(xs[0], ys[0], zeros, True)
+
+    def body(carry, xy):
+        loss_sum, acc = carry
+        value, acc = summed(*xy, acc, False)
+        return (loss_sum + value, acc), None
+
+    if len(xs) > 2:
+        (loss_sum, acc), _ = lax.scan(body, (loss_sum, acc), (xs[1:-1], ys[1:-1]))
+    return loss_sum, acc
+
+
+def _exchange_after_backward(ex, bk: _Buckets, local, acc, accum_steps, loco_state, step, after):
+    """The groups outside the stack (embedding, head), exchanged after the backward pass with the same bucket
+    step as ``compress``: ``(means per leaf index, their new slots, their gradients' square norms)``. XLA
+    does not overlap a collective with a loop that holds collectives, and XLA:CPU, which runs independent
+    collectives in no fixed order, would race them with the stack's: they follow ``after``."""
+    means, slots, squares, previous = {}, [], [], after
+    axes_of = loco.state_axes(local[0], ex.axis_name) if local else ()
+    for b, idx in enumerate(bk.members_of):
+        grads = accumulate(local[b], None if acc is None else [acc[i] for i in idx], accum_steps)
+        grads = coll.after(grads, previous)  # XLA:CPU: one exchange at a time, after the stack's
+        outs, slot = ex.bucket(b, grads, bk.dims_of[b], ex.slot_of(loco_state, b), step, axes_of)
+        means.update(zip(idx, outs))
+        slots.append(slot)
+        squares.append(square_norm(grads))
+        previous = outs
+    return means, slots, squares
+
+
+def value_and_exchanged_grad(loss_fn: Callable, ex: loco.Exchanger, params, loco_state, inputs, targets, *,
+                             accum_steps: int = 1, shard_dims=None, remat: bool = True, cdtype=jnp.float32,
+                             data_axes: tuple = ("data",)):
+    """Mean loss, the exchanged mean gradient, LoCo's candidate state and the local gradient's square norm,
+    with each bucket exchanged in the backward pass: this module's one entry point.
+
+    ``loss_fn(params, inputs, targets, stack_fn)``: the model's mean loss, which runs its scanned stack of
+    layers (``params[STACK]``, stacked on dim 0) as ``stack_fn(layer, h, stack_params, consts)`` with
+    ``layer(layer_params, h, consts) -> h``; the model hands its own, so this module never imports it.
+    ``ex``: the exchanger of the step's ``loco.compress``, built with ``groups=`` (one bucket per layer of
+    the stack, :data:`loco_jax.loco.STACK`); ``loco_state``: its current state. ``shard_dims``: FSDP's
+    (:func:`loco_jax.fsdp.shard_dims`), the parameters gathered in ``cdtype``; ``data_axes``: the bound axes
+    of one replica's devices, over which the parameters are cast to varying before the gradient;
+    ``remat``: the stack's forward recomputed in its backward pass. The first ``accum_steps - 1`` micro-batches are summed locally in fp32
+    as :func:`loss_and_grad` sums them, each bucket's gradient added in the backward pass as it is produced
+    (no micro-batch's whole gradient exists at once); the last one's backward pass adds each bucket's sum
+    and exchanges it (``(sum + g) / accum_steps``): the same numbers as ``loss_and_grad`` followed by
+    ``compress``.
+    Returns ``(loss, means, candidate, grad_sq)``: ``means`` shaped like ``params`` (FSDP: shards),
+    ``candidate`` a :class:`loco_jax.loco.CompressState` holding the new error buffers (for
+    ``update(..., exchanged=candidate)``, which decides and commits).
+    """
+    bk = _buckets(ex, params, shard_dims, cdtype, data_axes)
+    loss_sum, acc = None, None
+    if accum_steps > 1:
+        xs, ys = (a.reshape((accum_steps, -1) + a.shape[1:]) for a in (inputs, targets))
+        loss_sum, acc = _earlier_micro_batches(loss_fn, bk, xs, ys, remat)
+        inputs, targets = xs[-1], ys[-1]
+    step = ex.step_inputs(loco_state)
+
+    # the groups outside the stack take their whole local gradient from the backward pass (prepared: their
+    # full parameters as the model uses them); the stack's error buffers travel as cotangents
+    prepared = []
+    for b, idx in enumerate(bk.members_of):  # XLA:CPU: each group's gathers (FSDP) after the one before
+        before = prepared[-1:] or (acc or [])  # the first after the earlier micro-batches' sums
+        prepared.append(bk.gathered(coll.after([bk.leaves[i] for i in idx], before), bk.dims_of[b]))
+    stack_params = coll.after(params[STACK], prepared)  # and the stack's (in its loops) after them all
+    base = len(bk.flat)  # the stack's first bucket number
+    stack_view = as_cotangent(ex.slot_of(loco_state, base))
+    stack_sq = specs.to_varying(jnp.zeros((bk.stack[1],), jnp.float32), specs.manual_axes())
+    layer_acc = None if acc is None else bk.stack_part(acc)
+    run_dims = [bk.dims[i] - 1 for i in bk.stack[0]] if bk.scatter else None
+
+    def loss(stack_params, prepared, stack_view, stack_sq):
+        used = list(bk.leaves)
+        for idx, fulls in zip(bk.members_of, prepared):
+            for i, full in zip(idx, fulls):
+                used[i] = full
+        used = jax.tree.unflatten(bk.treedef, used)
+        used[STACK] = stack_params
+
+        def stack_fn(layer, x, stack_params, consts):
+            run = stack(ex, base, lambda p: bk.gathered(p, bk.layer_dims), run_dims, accum_steps, layer, remat=remat)
+            return run(x, stack_params, stack_view, stack_sq, layer_acc, step, consts)
+
+        return loss_fn(used, inputs, targets, stack_fn)
+
+    value, (stack_means, local, stack_view, stack_sq) = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(
+        stack_params, prepared, stack_view, stack_sq)
+    if loss_sum is not None:
+        value = (loss_sum + value) / accum_steps
+    mean_leaves = [None] * len(bk.leaves)
+    for i, mean in zip(bk.stack[0], jax.tree.leaves(stack_means)):
+        mean_leaves[i] = mean
+    means, slots, squares = _exchange_after_backward(ex, bk, local, acc, accum_steps, loco_state, step,
+                                                     jax.tree.leaves(stack_means))
+    for i, mean in means.items():
+        mean_leaves[i] = mean
+    slots.append(from_views(ex, stack_view))
+    grad_sq = sum([jnp.sum(stack_sq)] + squares)  # the stack's first: the order the sum was always taken in
+    return value, jax.tree.unflatten(bk.treedef, mean_leaves), loco_state._replace(**loco.stored(slots)), grad_sq

@@ -82,6 +82,11 @@ def shard_dims(params, num_shards: int, *, stacked=None):
     return jax.tree.unflatten(treedef, dims)
 
 
+def full_shape(shard_shape, dim: int, parts: int) -> tuple:
+    """The full shape of a leaf whose shard on ``dim`` over ``parts`` devices has ``shard_shape``."""
+    return tuple(n * parts if i == dim else n for i, n in enumerate(shard_shape))
+
+
 def local_shapes(params, dims, num_shards: int):
     """The shard shape of every leaf (``ShapeDtypeStruct``), for abstract traces."""
     return jax.tree.map(

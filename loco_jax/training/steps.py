@@ -235,7 +235,7 @@ def local_grad_fn(mcfg, params, shard_dims=None):
     # layers' gradient over the axes the zeros are invariant over
     stack_axes = set().union(*(specs.varying_axes(x) for x in jax.tree.leaves(stack)))
     delta_axes = tuple(a for a in specs.manual_axes() if a in axes or a in stack_axes)
-    delta = _varying(jax.tree.map(lambda x, d: jnp.zeros(_full_shape(x.shape, d, n), mcfg.cdtype), stack,
+    delta = _varying(jax.tree.map(lambda x, d: jnp.zeros(fsdp.full_shape(x.shape, d, n), mcfg.cdtype), stack,
                                   shard_dims["layers"]), delta_axes)
     layer_fn = _layer_gather(mcfg, shard_dims)
 
@@ -254,11 +254,6 @@ def _varying(tree, axes):
     return lax.pcast(tree, axes, to="varying") if axes else tree  # outside shard_map: nothing to cast
 
 
-def _full_shape(shard_shape, dim, parts):
-    """The full shape of a leaf whose shard on ``dim`` over ``parts`` devices has ``shard_shape``."""
-    return tuple(n * parts if i == dim else n for i, n in enumerate(shard_shape))
-
-
 def eval_loss(mcfg, params, inputs, targets, shard_dims=None):
     """The model's mean loss on ``params`` (replicated, or FSDP shards gathered as the train step does)."""
     if _per_layer(mcfg, params, shard_dims):
@@ -270,193 +265,13 @@ def eval_loss(mcfg, params, inputs, targets, shard_dims=None):
     return model_lib.loss_fn(mcfg, full, inputs, targets)
 
 
-class _Buckets(NamedTuple):
-    """The parameter tree as the in-backward exchange sees it: its leaves, their bucket groups outside the
-    stack (``members_of[b]``: the leaves of bucket ``b``) and the stack's leaves, with the shard dimensions
-    and full shapes FSDP needs."""
-
-    leaves: list
-    treedef: Any
-    dims: list
-    full_shapes: list
-    flat: list
-    stack: tuple
-    scatter: bool
-    cdtype: Any
-    axes: tuple
-    layer_dims: Any
-    layer_tree: Any
-    members_of: list  # per bucket outside the stack, its leaves' indices
-    dims_of: list  # per bucket outside the stack, its leaves' shard dimensions (FSDP), else None
-
-    def gathered(self, xs, xdims):
-        """A group's (or a layer's) full parameters for the model: cast to varying, or all-gathered (FSDP)."""
-        if not self.scatter:
-            return _varying(xs, self.axes)
-        return _varying(fsdp.gather(xs, xdims, "data", dtype=self.cdtype), self.axes)
-
-    def stack_part(self, tree_leaves):
-        """The stack's entries of a per-leaf list, as the stack's tree."""
-        return jax.tree.unflatten(self.layer_tree, [tree_leaves[i] for i in self.stack[0]])
-
-
-def _in_backward_buckets(mcfg, ex: loco.Exchanger, params, shard_dims) -> _Buckets:
-    leaves, treedef = jax.tree.flatten(params)
-    labels = ex.labels_of(treedef, len(leaves))
-    if any(label is None for label in labels):
-        raise ValueError("the in-backward exchange needs every parameter in a bucket group (loco.compress(groups=)).")
-    if "layers" not in params or not mcfg.scan_layers:
-        raise ValueError("the in-backward exchange runs in a scanned stack's backward loop: it needs "
-                         "model.scan_layers=True.")
-    n = lax.axis_size("data")
-    dims = jax.tree.leaves(shard_dims) if shard_dims is not None else [0] * len(leaves)
-    full_shapes = [_full_shape(x.shape, d, n) if shard_dims is not None else tuple(x.shape)
-                   for x, d in zip(leaves, dims)]
-    flat, stack = ex.layout(full_shapes, dims, labels, n)
-    scatter = shard_dims is not None
-    layer_dims = jax.tree.map(lambda d: d - 1, shard_dims["layers"]) if scatter else None
-    members_of = [[i for i, _, _ in members] for members, _ in flat]
-    dims_of = [[dims[i] for i in idx] if scatter else None for idx in members_of]
-    return _Buckets(leaves, treedef, dims, full_shapes, flat, stack, scatter, mcfg.cdtype, _data_axes(), layer_dims,
-                    jax.tree.structure(params["layers"]), members_of, dims_of)
-
-
-def _earlier_micro_batches(mcfg, bk: _Buckets, xs, ys):
-    """The first ``n - 1`` micro-batches: ``(loss sum, fp32 gradient sums)``, each bucket's gradient added as
-    the backward pass produces it (:func:`loco_jax.backward.accumulate_group` and
-    :func:`~loco_jax.backward.accumulate_stack`), so no micro-batch's whole gradient exists at once."""
-    members_of, dims_of = bk.members_of, bk.dims_of
-
-    def summed(x, y, acc, first):
-        def loss(acc):
-            used = list(bk.leaves)
-            # XLA:CPU: each group's gathers (FSDP) follow the one before, the first the micro-batch before
-            # (its sums), and the stack's (in its loops) follow them all
-            previous = [] if first else acc
-            for b, idx in enumerate(members_of):
-                use = backward.accumulate_group(lambda xs, d=dims_of[b]: bk.gathered(xs, d), first)
-                previous = use(coll.after([used[i] for i in idx], previous), [acc[i] for i in idx])
-                for i, full in zip(idx, previous):
-                    used[i] = full
-            for i, leaf in zip(bk.stack[0], coll.after([used[i] for i in bk.stack[0]], previous)):
-                used[i] = leaf
-
-            def stack_fn(layer, h, stack_params, consts):
-                run = backward.accumulate_stack(lambda p: bk.gathered(p, bk.layer_dims), layer, first,
-                                                remat=mcfg.remat)
-                return run(h, stack_params, bk.stack_part(acc), consts)
-
-            return model_lib.loss_fn(mcfg, jax.tree.unflatten(bk.treedef, used), x, y, stack_fn=stack_fn)
-
-        return jax.value_and_grad(loss)(acc)
-
-    # the sums vary over the data axes and over every axis the parameters vary over (DiLoCo's replica)
-    vary = set(bk.axes).union(*(specs.varying_axes(x) for x in bk.leaves))
-    zeros = [specs.to_varying(jnp.zeros(shape, jnp.float32), tuple(a for a in specs.manual_axes() if a in vary))
-             for shape in bk.full_shapes]
-    loss_sum, acc = summed(xs[0], ys[0], zeros, True)
-
-    def body(carry, xy):
-        loss_sum, acc = carry
-        value, acc = summed(*xy, acc, False)
-        return (loss_sum + value, acc), None
-
-    if len(xs) > 2:
-        (loss_sum, acc), _ = lax.scan(body, (loss_sum, acc), (xs[1:-1], ys[1:-1]))
-    return loss_sum, acc
-
-
-def _exchange_after_backward(ex, bk: _Buckets, local, acc, accum_steps, loco_state, step, after):
-    """The groups outside the stack (embedding, head), exchanged after the backward pass with the same bucket
-    step as ``compress``: ``(means per leaf index, their new slots, their gradients' square norms)``. XLA
-    does not overlap a collective with a loop that holds collectives, and XLA:CPU, which runs independent
-    collectives in no fixed order, would race them with the stack's: they follow ``after``."""
-    means, slots, squares, previous = {}, [], [], after
-    axes_of = loco.state_axes(local[0], ex.axis_name) if local else ()
-    for b, idx in enumerate(bk.members_of):
-        grads = backward.accumulate(local[b], None if acc is None else [acc[i] for i in idx], accum_steps)
-        grads = coll.after(grads, previous)  # XLA:CPU: one exchange at a time, after the stack's
-        outs, slot = ex.bucket(b, grads, bk.dims_of[b], ex.slot_of(loco_state, b), step, axes_of)
-        means.update(zip(idx, outs))
-        slots.append(slot)
-        squares.append(backward.square_norm(grads))
-        previous = outs
-    return means, slots, squares
-
-
-def exchanged_loss_and_grad(mcfg, ex: loco.Exchanger, params, loco_state, inputs, targets, accum_steps=1,
-                            shard_dims=None):
-    """Mean loss, the exchanged mean gradient, LoCo's candidate state and the local gradient's square norm,
-    with each bucket exchanged in the backward pass (:mod:`loco_jax.backward`).
-
-    ``ex``: the exchanger of the step's ``loco.compress``, built with ``groups=``:func:`bucket_groups`;
-    ``loco_state``: its current state. The first ``accum_steps - 1`` micro-batches are summed locally in fp32
-    as :func:`loss_and_grad` sums them, each bucket's gradient added in the backward pass as it is produced
-    (no micro-batch's whole gradient exists at once); the last one's backward pass adds each bucket's sum
-    and exchanges it (``(sum + g) / accum_steps``): the same numbers as ``loss_and_grad`` followed by
-    ``compress``.
-    Returns ``(loss, means, candidate, grad_sq)``: ``means`` shaped like ``params`` (FSDP: shards),
-    ``candidate`` a :class:`loco_jax.loco.CompressState` holding the new error buffers (for
-    ``update(..., exchanged=candidate)``, which decides and commits).
-    """
-    bk = _in_backward_buckets(mcfg, ex, params, shard_dims)
-    loss_sum, acc = None, None
-    if accum_steps > 1:
-        xs, ys = (a.reshape((accum_steps, -1) + a.shape[1:]) for a in (inputs, targets))
-        loss_sum, acc = _earlier_micro_batches(mcfg, bk, xs, ys)
-        inputs, targets = xs[-1], ys[-1]
-    step = ex.step_inputs(loco_state)
-
-    # the groups outside the stack take their whole local gradient from the backward pass (prepared: their
-    # full parameters as the model uses them); the stack's error buffers travel as cotangents
-    prepared = []
-    for b, idx in enumerate(bk.members_of):  # XLA:CPU: each group's gathers (FSDP) after the one before
-        before = prepared[-1:] or (acc or [])  # the first after the earlier micro-batches' sums
-        prepared.append(bk.gathered(coll.after([bk.leaves[i] for i in idx], before), bk.dims_of[b]))
-    stack_params = coll.after(params["layers"], prepared)  # and the stack's (in its loops) after them all
-    base = len(bk.flat)  # the stack's first bucket number
-    stack_view = backward.as_cotangent(ex.slot_of(loco_state, base))
-    stack_sq = specs.to_varying(jnp.zeros((bk.stack[1],), jnp.float32), specs.manual_axes())
-    layer_acc = None if acc is None else bk.stack_part(acc)
-    run_dims = [bk.dims[i] - 1 for i in bk.stack[0]] if bk.scatter else None
-
-    def loss(stack_params, prepared, stack_view, stack_sq):
-        used = list(bk.leaves)
-        for idx, fulls in zip(bk.members_of, prepared):
-            for i, full in zip(idx, fulls):
-                used[i] = full
-        used = jax.tree.unflatten(bk.treedef, used)
-        used["layers"] = stack_params
-
-        def stack_fn(layer, x, stack_params, consts):
-            run = backward.stack(ex, base, lambda p: bk.gathered(p, bk.layer_dims), run_dims, accum_steps, layer,
-                                 remat=mcfg.remat)
-            return run(x, stack_params, stack_view, stack_sq, layer_acc, step, consts)
-
-        return model_lib.loss_fn(mcfg, used, inputs, targets, stack_fn=stack_fn)
-
-    value, (stack_means, local, stack_view, stack_sq) = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(
-        stack_params, prepared, stack_view, stack_sq)
-    if loss_sum is not None:
-        value = (loss_sum + value) / accum_steps
-    mean_leaves = [None] * len(bk.leaves)
-    for i, mean in zip(bk.stack[0], jax.tree.leaves(stack_means)):
-        mean_leaves[i] = mean
-    means, slots, squares = _exchange_after_backward(ex, bk, local, acc, accum_steps, loco_state, step,
-                                                     jax.tree.leaves(stack_means))
-    for i, mean in means.items():
-        mean_leaves[i] = mean
-    slots.append(backward.from_views(ex, stack_view))
-    grad_sq = sum([jnp.sum(stack_sq)] + squares)  # the stack's first: the order the sum was always taken in
-    return value, jax.tree.unflatten(bk.treedef, mean_leaves), loco_state._replace(**loco.stored(slots)), grad_sq
-
-
 def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shard_dims=None, accum_steps=1,
                exchanger=None):
     """One step inside ``shard_map``: loss, gradient (no hidden psum), the optimizer, new params.
 
     ``exchanger``: LoCo's exchange runs in the backward pass, one bucket per layer
-    (:func:`exchanged_loss_and_grad`; ``tx`` must hold that exchanger's ``compress``); None: after it.
+    (:func:`loco_jax.backward.value_and_exchanged_grad`; ``tx`` must hold that exchanger's ``compress``; the
+    model's scanned stack, ``model.scan_layers``); None: after it.
     """
     extra = {} if phase is None else {"phase": phase}
     if exchanger is None:
@@ -467,8 +282,10 @@ def train_step(tx, mcfg, params, opt_state, inputs, targets, *, phase=None, shar
                       for g in jax.tree.leaves(grads))
         n = float(sum(g.size for g in jax.tree.leaves(grads)))  # a Python float: 8B values overflow int32
     else:
-        loss, means, candidate, grad_sq = exchanged_loss_and_grad(
-            mcfg, exchanger, params, loco.find_state(opt_state), inputs, targets, accum_steps, shard_dims)
+        loss, means, candidate, grad_sq = backward.value_and_exchanged_grad(
+            lambda p, x, y, stack_fn: model_lib.loss_fn(mcfg, p, x, y, stack_fn=stack_fn), exchanger, params,
+            loco.find_state(opt_state), inputs, targets, accum_steps=accum_steps, shard_dims=shard_dims,
+            remat=mcfg.remat, cdtype=mcfg.cdtype, data_axes=_data_axes())
         updates, opt_state = tx.update(means, opt_state, params, exchanged=candidate, **extra)
         parts = 1 if shard_dims is None else lax.axis_size("data")
         n = float(sum(x.size for x in jax.tree.leaves(params))) * parts

@@ -581,6 +581,13 @@ def settings(bits, preset="measured", density=None, **given):
     return out
 
 
+def settings_of(fields) -> dict:
+    """:func:`settings` of a mapping of ``diloco``'s arguments (a config's section): its ``bits``,
+    ``preset``, ``density`` and :data:`SETTING_NAMES`; other keys are not read."""
+    return settings(fields["bits"], fields.get("preset", "measured"), fields.get("density"),
+                    **{n: fields.get(n) for n in SETTING_NAMES})
+
+
 class DiLoCo(optax.GradientTransformationExtraArgs):
     """An ``optax.GradientTransformationExtraArgs`` with the schedule attached.
 

@@ -136,6 +136,12 @@ def settings(bits, preset="measured", **given):
     return quant.preset_settings(bits, preset, given, reference=REFERENCE, measured=MEASURED, what="LoCo")
 
 
+def settings_of(fields) -> dict:
+    """:func:`settings` of a mapping of ``compress``'s arguments (a config's section): its ``bits``,
+    ``preset`` and :data:`SETTING_NAMES`; other keys are not read."""
+    return settings(fields["bits"], fields.get("preset", "measured"), **{n: fields.get(n) for n in SETTING_NAMES})
+
+
 class CompressState(NamedTuple):
     """State of :func:`compress`; one entry of the error tuples per bucket.
 

@@ -220,11 +220,8 @@ FROZEN_ON_RESUME = ("model", "optim", "loco", "diloco", "seed", "batch_size", "s
 CHANGEABLE_ON_RESUME = ("model.attention",)
 
 
-# Fields that None resolves per bit width from the library (see ``resolve``).
-RESOLVED_FIELDS = {
-    "loco": ("format", "rotate", "beta", "compensate", "compensate_second_stage"),
-    "diloco": ("format", "rotate", "compensate"),
-}
+# Fields that None resolves per bit width from the library (see ``resolve``): the library's own names.
+RESOLVED_FIELDS = {"loco": loco_lib.SETTING_NAMES, "diloco": diloco_lib.SETTING_NAMES}
 
 
 def _library(section):
@@ -241,15 +238,11 @@ def resolve(cfg: Config, saved: dict | None = None) -> Config:
     cfg = from_dict(to_dict(cfg))
     saved = None if saved is None else with_reference_fields(saved)
     for section, names in RESOLVED_FIELDS.items():
-        node, lib = getattr(cfg, section), _library(section)
-        given = {}
-        for name in names:
-            value = getattr(node, name)
-            if value is None and saved is not None:
-                value = saved[section][name]
-            given[name] = value
-        sparse = {"density": node.density} if section == "diloco" else {}
-        for name, value in lib.settings(node.bits, node.preset, **sparse, **given).items():
+        node = getattr(cfg, section)
+        fields = dataclasses.asdict(node)
+        if saved is not None:  # None: the value the run was started with
+            fields.update({n: saved[section][n] for n in names if fields[n] is None})
+        for name, value in _library(section).settings_of(fields).items():
             setattr(node, name, value)
     return cfg
 

@@ -592,10 +592,37 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
     """An ``optax.GradientTransformationExtraArgs`` with the schedule attached.
 
     ``init(params)`` and ``update(grads, state, params, phase=None)`` run
-    inside ``shard_map``. Plain Python: ``phase(step)`` (the :class:`Phase` of
-    an inner step), ``phases()`` (every distinct phase: one compiled program
-    each) and ``plan(params)`` (the :class:`fragments.FragmentPlan`).
+    inside ``shard_map``. Plain Python: :meth:`phase` (the :class:`Phase` of
+    an inner step), :meth:`phases` (every distinct phase: one compiled program
+    each), :meth:`plan` (the :class:`fragments.FragmentPlan`) and
+    :meth:`relayout_inflight` (an elastic restart's in-flight mean).
     """
+
+    def __new__(cls, loop: "OuterLoop"):
+        tx = super().__new__(cls, loop.init, loop.update)
+        tx.loop = loop  # the settings and the steps (a NamedTuple holds only init and update)
+        return tx
+
+    def phase(self, step: int) -> Phase:
+        return phase(step, **self.loop.schedule)
+
+    def phases(self) -> list[Phase]:
+        return schedule_phases(**self.loop.schedule)
+
+    def plan(self, params) -> frag.FragmentPlan:
+        """The fragment plan of ``params`` (cached per tree structure and shapes); refuses a tree it cannot
+        split into the fragments asked for, by name."""
+        return self.loop.plan_of(params)
+
+    def relayout_inflight(self, inflight, params, fragment, old_mesh, new_mesh):
+        """The in-flight mean of ``fragment`` (every device's slice, host NumPy) re-cut from mesh ``old_mesh``
+        to ``new_mesh`` (each ``(replicas, data devices)``): :func:`relayout_inflight` with this exchange's
+        slices and tile layouts."""
+        plan = self.plan(params)
+        # the fragments' tile layouts per data size (all None with flat chunks), as the exchange builds them
+        layouts = functools.lru_cache(maxsize=None)(lambda d: self.loop.layouts(plan, params, d))
+        return relayout_inflight(inflight, plan.fragment_sizes(), fragment, old_mesh, new_mesh, self.loop.ex.slice_len,
+                                 lambda p, d: layouts(d)[p])
 
 
 class OuterLoop(NamedTuple):
@@ -873,20 +900,7 @@ def diloco(
 
     loop = OuterLoop(optax.with_extra_args_support(inner), outer, ex, num_fragments, overlap, alpha, schedule,
                      plan_of)
-    tx = DiLoCo(loop.init, loop.update)
-    tx.phase = functools.partial(phase, **schedule)
-    tx.phases = functools.partial(schedule_phases, **schedule)
-    tx.plan = plan_of
-
-    def relayout(inflight, params, fragment, old_mesh, new_mesh):
-        plan = plan_of(params)
-        # the fragments' tile layouts per data size (all None with flat chunks), as the exchange builds them
-        layouts = functools.lru_cache(maxsize=None)(lambda d: loop.layouts(plan, params, d))
-        return relayout_inflight(inflight, plan.fragment_sizes(), fragment, old_mesh, new_mesh, ex.slice_len,
-                                 lambda p, d: layouts(d)[p])
-
-    tx.relayout_inflight = relayout
-    return tx
+    return DiLoCo(loop)
 
 
 def _split(flat, like):

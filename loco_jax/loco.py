@@ -87,6 +87,7 @@ pieces of their own.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Literal, NamedTuple, get_args
 
 import jax
@@ -375,7 +376,9 @@ def compress(
 def exchanger(**kwargs) -> Exchanger:
     """The :class:`Exchanger` of ``compress(**kwargs)`` (the same arguments): its optax transformation and
     the per-bucket step that the in-backward exchange (:mod:`loco_jax.backward`) runs."""
-    return _build(**kwargs)
+    arguments = inspect.signature(compress).bind(**kwargs)  # refuses an unknown argument by name
+    arguments.apply_defaults()  # compress's defaults: the one place they are written
+    return _build(**arguments.arguments)
 
 
 def bucket_labels(groups, treedef, count):
@@ -760,12 +763,10 @@ class BucketStep(NamedTuple):
         return jax.tree.unflatten(treedef, out_leaves), new_state
 
 
-def _build(
-    bits=4, *, beta=None, reset_every=1024, error_bits=8, block_size=quant.DEFAULT_BLOCK_SIZE, format=None,
-    rotate=None, axis_name="data", compensate=None, reduce="mean", mode="two_stage", compensate_second_stage=None,
-    stochastic_rounding=False, seed=0, nonfinite="skip", bucket_size=None, preset="measured", shard_dims=None,
-    fast_axis=None, groups=None,
-) -> Exchanger:
+def _build(bits, *, beta, reset_every, error_bits, block_size, format, rotate, axis_name, compensate, reduce, mode,
+           compensate_second_stage, stochastic_rounding, seed, nonfinite, bucket_size, preset, shard_dims, fast_axis,
+           groups) -> Exchanger:
+    """The Exchanger of ``compress``'s arguments, every one given (:func:`exchanger` fills compress's defaults)."""
     resolved = settings(bits, preset, format=format, rotate=rotate, beta=beta, compensate=compensate,
                         compensate_second_stage=compensate_second_stage)
     if bits is None:  # the exact mean: nothing to compress, nothing to compensate

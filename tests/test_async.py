@@ -23,7 +23,7 @@ import pytest
 from loco_jax.training.loop import train_and_evaluate
 from loco_jax.training.metrics import read_metrics
 from loco_jax.training import config as config_lib
-from loco_jax.training import loop
+from loco_jax.training import loop, strategy
 from loco_jax.training.trainer import Trainer
 from tests.helpers import HostReads, quiet, quiet_reads, small_config, sync_steps
 
@@ -91,7 +91,8 @@ def test_a_resumed_row_averages_the_carried_steps_but_times_only_the_new_ones(mo
                    "skipped": jax.numpy.int32(0)})
     window.read()
     assert window.new_faults(window.counts, phase_of=None) == []
-    trainer_like = type("T", (), {"schedule": staticmethod(lambda s: 0.1), "cfg": config_lib.Config()})()
+    cfg = config_lib.Config()
+    trainer_like = type("T", (), {"schedule": staticmethod(lambda s: 0.1), "cfg": cfg, "strategy": strategy.of(cfg)})()
     row = window.log_row(9, trainer_like, 0)
     assert row["loss"] == 3.0 and row["grad_rms"] == 0.5
     assert row["tokens_per_s"] == 64 * 1 / 2.0  # one new step in 2 s, not three

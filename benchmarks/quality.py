@@ -157,7 +157,8 @@ _UNKEYED = {"sample_tokens": _ANY, "data.sp_model": None, "data.require_path": N
             # a sparse mean over the M replicas, as before issue 41 (its sparse cells name it since the default
             # became "senders"; a dense cell's is dropped above)
             "diloco.average_over": "replicas",
-            "diloco.chunks": "flat"}  # chunks of the flat fragment, as before (issue 41)
+            "diloco.chunks": "flat",  # chunks of the flat fragment, as before (issue 41)
+            "diloco.outer_lr_decay": False}  # a constant outer learning rate, as before (issue 41)
 
 
 def cell_dir(name, overrides=None) -> str:

@@ -215,7 +215,13 @@ TUNE41 = {"decay0.9": ("d3", ["diloco.error_decay=0.9"]), "decay0.99": ("d3", ["
           "d1.5_lr2_decay0.9": ("d1.5", ["diloco.outer_lr=2", "diloco.error_decay=0.9"]),  # lr 1 lags below 3 %
           # Nesterov momentum 0.5 at lr 0.5 (the same long-run step as lr 1 alone): does the dense reference's
           # outer momentum explain the sparse runs' give-back while the learning rate decays?
-          "mom0.5": ("d3", ["diloco.outer_lr=0.5", "diloco.outer_momentum=0.5"])}
+          "mom0.5": ("d3", ["diloco.outer_lr=0.5", "diloco.outer_momentum=0.5"]),
+          # the other cheap test of the give-back: the outer step shrinks with the inner learning rate (the
+          # same cosine to min_lr_ratio over each fragment's rounds), so the late rounds' noisy means and the
+          # stale mass the accumulator still sends are applied smaller
+          "cos": ("d3", ["diloco.outer_lr_decay=true"]),
+          "d1.5_lr2_decay0.9_cos": ("d1.5", ["diloco.outer_lr=2", "diloco.error_decay=0.9",
+                                             "diloco.outer_lr_decay=true"])}
 
 
 # Seed 0, the senders' cell with SparseLoCo's values quantizer (sparse.binmean_quantize; statistics per

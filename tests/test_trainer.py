@@ -323,6 +323,29 @@ def test_data_parallel_configs_train(text_file, tmp_path, bits):
     assert int(summary["state"].opt_state.skipped) == 0
 
 
+@pytest.mark.parametrize("decay", [False, True])
+def test_outer_lr_decay_follows_the_inner_cosine_over_each_fragments_rounds(decay):
+    """``diloco.outer_lr_decay``: the outer step's size, read off plain outer SGD's updates of a unit outer
+    gradient, is ``outer_lr`` at a fragment's first round and ``outer_lr * min_lr_ratio`` at its last
+    (``steps // sync_every``), a cosine between; constant when off."""
+    import optax
+    from loco_jax.training import strategy
+
+    cfg = config_lib.Config(steps=120)
+    cfg.diloco.enabled, cfg.diloco.sync_every, cfg.diloco.outer_lr, cfg.diloco.outer_momentum = True, 10, 2.0, 0.0
+    cfg.diloco.outer_lr_decay, cfg.optim.min_lr_ratio = decay, 0.25
+    outer = strategy.of(cfg).wrap(optax.sgd(0.1), sharded=False).loop.outer
+    g = {"w": np.ones(3, np.float32)}
+    state, sizes = outer.init(g), []
+    for _ in range(13):
+        u, state = outer.update(g, state, g)
+        sizes.append(-float(u["w"][0]))
+    rounds = cfg.steps // cfg.diloco.sync_every
+    expected = [2.0 * (0.25 + 0.75 * 0.5 * (1 + np.cos(np.pi * min(r, rounds) / rounds))) if decay else 2.0
+                for r in range(13)]
+    np.testing.assert_allclose(sizes, expected, rtol=1e-6)
+
+
 def test_warmup_longer_than_the_run_is_shortened_so_the_peak_is_reached():
     cfg = config_lib.Config(steps=10)
     cfg.optim.warmup_steps, cfg.optim.lr, cfg.optim.min_lr_ratio = 50, 1e-3, 0.1

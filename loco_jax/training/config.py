@@ -165,6 +165,9 @@ class DilocoFields:
     preset: str = _diloco("preset")
     outer_lr: float = diloco_lib.OUTER_LR
     outer_momentum: float = diloco_lib.OUTER_MOMENTUM
+    # True: the outer learning rate follows the inner schedule's cosine over each fragment's rounds, from
+    # outer_lr to outer_lr * optim.min_lr_ratio at the last round (steps // sync_every); False: constant.
+    outer_lr_decay: bool = False
     mode: str = _diloco("mode")
     block_size: int = _diloco("block_size")  # values per scale in the outer-gradient payload
     # Sparse exchange (diloco.diloco(density=...)): each chunk's top density x chunk entries, their values at

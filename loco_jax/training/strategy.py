@@ -92,7 +92,11 @@ class StreamingDiLoCo(DataParallel):
         """``diloco.diloco`` around ``inner``: the outer step, fragments, overlap and exchange of ``cfg.diloco``
         (FSDP, ``sharded``: each device exchanges its own shard over ``replica``)."""
         d = self.cfg.diloco
-        outer = optax.sgd(d.outer_lr, momentum=d.outer_momentum or None, nesterov=d.outer_momentum > 0)
+        outer_lr = d.outer_lr
+        if d.outer_lr_decay:  # counted in the fragment's own rounds: its outer state steps once per round
+            outer_lr = optax.cosine_decay_schedule(d.outer_lr, max(1, self.cfg.steps // d.sync_every),
+                                                   alpha=self.cfg.optim.min_lr_ratio)
+        outer = optax.sgd(outer_lr, momentum=d.outer_momentum or None, nesterov=d.outer_momentum > 0)
         return diloco.diloco(
             inner, sync_every=d.sync_every, outer=outer, num_fragments=d.num_fragments, overlap=d.overlap,
             alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, rotate=d.rotate, mode=d.mode,

@@ -110,12 +110,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import collectives as coll
+from loco_jax import exchange as exchange_lib
 from loco_jax import fragments as frag
 from loco_jax import quant, specs
 from loco_jax import sparse as sparse_lib
 from loco_jax.checks import is_int, require_int
-from loco_jax import loco as loco_lib
-from loco_jax.loco import error_feedback
 from loco_jax.nonfinite import INDEPENDENT, all_finite, decision_axes, select
 
 MODES = coll.MODES
@@ -221,7 +220,9 @@ def replica_finite(tree, axis_name):
 
 
 class Exchange(NamedTuple):
-    """How a fragment's outer gradient crosses ``axis_name``: the exchange's resolved settings, and its steps.
+    """How a fragment's outer gradient crosses ``axis_name``: the ``codec`` (:mod:`loco_jax.exchange`:
+    :class:`~loco_jax.exchange.Exact`, :class:`~loco_jax.exchange.Dense` or
+    :class:`~loco_jax.exchange.Sparse`, with its error step), and how the replicas' payloads move.
 
     Each of the ``D`` devices of ``data_axis`` in a replica holds the same parameters, so it sends its own
     ``1/D`` slice (:meth:`slice_len`, :meth:`my_slice`); the replicas' mean comes back per slice
@@ -231,23 +232,21 @@ class Exchange(NamedTuple):
 
     axis_name: str
     data_axis: str | None
-    bits: int | None
-    cfg: coll.QuantConfig
-    mode: str
-    compensate: bool
-    error_beta: float
-    error_bits: int | None  # the quantizer's block size is cfg's
-    sparse: sparse_lib.SparseConfig | None = None  # a top-k-per-chunk exchange (sparse_mean) instead of dense
+    codec: Any  # exchange.Exact | exchange.Dense | exchange.Sparse
+    mode: str  # a dense payload's collective: "two_stage" or "all_gather" (a sparse one's is an all_gather)
     keep_unsent: bool = False  # the accumulator rides in the local parameters (sparse_mean, diloco(keep_unsent))
-    average_over: str = "senders"  # a sparse mean's divisor: "senders" (sparse_mean) or "replicas" (M)
-    chunks: str = "flat"  # a sparse exchange's chunks: "flat" (C values of the flat fragment) or "leaves" (tiles)
+
+    @property
+    def sparse(self) -> bool:
+        return isinstance(self.codec, exchange_lib.Sparse)
 
     def tile_layout(self, shapes, d: int):
         """The fragment's :class:`loco_jax.sparse.TileLayout` for ``d`` data devices (``chunks="leaves"``):
         tiles of ``sqrt(C)`` per side, each slice a whole number of error blocks; None for flat chunks."""
-        if self.chunks != "leaves":
+        if not self.sparse or self.codec.chunks != "leaves":
             return None
-        return _tile_layout(tuple(tuple(s) for s in shapes), d, math.isqrt(self.sparse.chunk), self.cfg.block_size)
+        return _tile_layout(tuple(tuple(s) for s in shapes), d, math.isqrt(self.codec.code.chunk),
+                            self.codec.block_size)
 
     def data_size(self) -> int:
         """``D``: the devices of ``data_axis`` bound in this ``shard_map`` (1 when none)."""
@@ -262,10 +261,10 @@ class Exchange(NamedTuple):
         ``layout``'s slice."""
         if layout is not None:
             return layout.slice_len
-        if self.sparse is not None:  # whole chunks, and whole blocks of a quantized error buffer
-            unit = math.lcm(self.sparse.chunk, self.cfg.block_size)
+        if self.sparse:  # whole chunks, and whole blocks of a quantized error buffer
+            unit = math.lcm(self.codec.code.chunk, self.codec.block_size)
         else:
-            unit = self.cfg.block_size * (m if self.mode == "two_stage" else 1)
+            unit = self.codec.block_size * (m if self.mode == "two_stage" else 1)
         return max(coll.round_up(-(-size // d), unit), unit)
 
     def my_slice(self, flat, k: int, d: int):
@@ -288,7 +287,7 @@ class Exchange(NamedTuple):
         gathered, finish = codes
         with jax.named_scope(APPLY_GATHER):  # names it in the compiled program (benchmarks/gpu_schedule.py)
             every = lax.all_gather(gathered, self.data_axis, axis=0, to="invarying")  # (d, M, payload bytes)
-        whole = self.cfg.rotate_out(jax.vmap(finish)(every, jnp.arange(d)), p).reshape(-1)
+        whole = self.codec.rotate_out(jax.vmap(finish)(every, jnp.arange(d)), p).reshape(-1)
         return whole[:size] if layout is None else layout.untiled(whole)
 
     def mean(self, slice_f32, p: int, error=None, error_scale=None, never=False, layout=None):
@@ -302,19 +301,20 @@ class Exchange(NamedTuple):
         payloads, finish)`` with ``rotate_out(finish(gathered, j)) == mean slice`` on data device ``j``, for
         :meth:`gather_codes`.
         ``error``/``error_scale``: fragment ``p``'s stored error (with ``compensate``); ``never``: a traced
-        false flag (:func:`loco_jax.loco.error_feedback`). On GPUs the exchange asks for a collective stream
+        false flag (:func:`loco_jax.exchange.rounded_apart`). On GPUs the exchange asks for a collective stream
         of its own (it crosses replicas: a slow link).
         """
-        if self.sparse is not None:
+        if self.sparse:
             return self.sparse_mean(slice_f32, error, error_scale, never, layout)
-        axis_name, cfg = self.axis_name, self.cfg
+        axis_name, feedback = self.axis_name, self.codec.feedback
         m = coll.axis_size(axis_name)
-        if self.bits is None:
+        if self.codec.bits is None:
             return coll.on_own_stream(lambda: lax.pmean(slice_f32, axis_name)), None, None
-        e = 0.0
-        if self.compensate:
-            e = quant.load(error, error_scale, self.error_bits, block_size=self.cfg.block_size)[0]
-        h = cfg.rotate_in(slice_f32[None], p)[0] + e  # with rotate, the error lives in fragment p's rotated domain
+        cfg = self.codec.quant
+        h = cfg.rotate_in(slice_f32[None], p)[0]  # with rotate, the error lives in fragment p's rotated domain
+        if feedback is not None:
+            e = feedback.load(error, error_scale)[0]
+            h = feedback.compensate(h, e, never)
         if self.mode == "all_gather":
             _, sent, gathered = coll.all_gather_sum(h[None], axis_name, cfg, own_stream=True, with_payloads=True)
             finish, sent = (lambda g, _=0: cfg.decode(g, h.shape[0]).sum(axis=0) / m), sent[0]
@@ -323,10 +323,7 @@ class Exchange(NamedTuple):
             _, _, gathered = coll.all_gather_chunk(chunk / m, axis_name, cfg, own_stream=True, with_payloads=True)
             finish, sent = (lambda g, _=0: cfg.decode(g, chunk.shape[0]).reshape(-1)), sent.reshape(-1)
         mean = cfg.rotate_out(finish(gathered)[None], p)[0]
-        stored = None
-        if self.compensate:
-            stored = error_feedback(e[None], h[None], sent[None], beta=self.error_beta, error_bits=self.error_bits,
-                                    block_size=self.cfg.block_size, never=never)
+        stored = None if feedback is None else feedback.update(e[None], h[None], sent[None], never)
         return mean, stored, (gathered, finish)
 
     def sparse_mean(self, slice_f32, error=None, error_scale=None, never=False, layout=None):
@@ -353,29 +350,29 @@ class Exchange(NamedTuple):
         ``layout`` (chunks that follow the leaves): the slice is in its tiled order, each class of chunks
         with its own ``k`` (:class:`loco_jax.sparse.TiledSparse`).
         """
-        m = coll.axis_size(self.axis_name)
+        m, feedback = coll.axis_size(self.axis_name), self.codec.feedback
+        e = None
         if self.keep_unsent:  # the replica's parameters already hold beta e
             acc = slice_f32
         else:
-            e = quant.load(error, error_scale, self.error_bits, block_size=self.cfg.block_size)[0]
-            acc = loco_lib.rounded_apart(self.error_beta * e, never) + slice_f32
+            e = feedback.load(error, error_scale)[0]
+            acc = feedback.compensate(slice_f32, e, never)
         if layout is None:
-            code, own = self.sparse, 0
+            code, own = self.codec.code, 0
         else:  # a tiled slice's payload depends on which data device sends it (binmean's per-leaf statistics)
-            code = _tiled_sparse(layout, self.sparse)
+            code = _tiled_sparse(layout, self.codec.code)
             own = lax.axis_index(self.data_axis) if self.data_size() > 1 else 0
         payload, sent = code.encode(acc) if layout is None else code.encode(acc, own)
         gathered = coll.on_own_stream(lambda: lax.all_gather(payload, self.axis_name, axis=0, to="invarying"))
 
         def finish(g, j=0):  # (M, ..., bytes) from data device j -> the mean of the M decoded slices
             args = () if layout is None else (j,)
-            if self.average_over == "senders":
+            if self.codec.average_over == "senders":
                 values, held = code.decode(g, *args, held=True)
                 return values.sum(axis=0) / jnp.maximum(held.sum(axis=0), 1.0)
             return code.decode(g, *args).sum(axis=0) / m
 
-        new = quant.store((acc - loco_lib.rounded_apart(sent, never))[None], self.error_bits,
-                          block_size=self.cfg.block_size)
+        new = feedback.update(None if e is None else e[None], acc[None], sent[None], never)
         return finish(gathered, own), new, (gathered, finish)
 
 
@@ -454,8 +451,8 @@ SPARSE_FORMATS = {1: "int", 2: "uniform", 4: "int", 8: "int"}
 
 
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the default outer step (outer=None): Nesterov SGD
-AVERAGE_OVER = ("senders", "replicas")  # diloco(average_over=): a sparse mean's divisor, the default first
-CHUNKS = ("flat", "leaves")  # diloco(chunks=): a sparse exchange's chunks
+AVERAGE_OVER = exchange_lib.AVERAGE_OVER  # diloco(average_over=): a sparse mean's divisor, the default first
+CHUNKS = exchange_lib.CHUNKS  # diloco(chunks=): a sparse exchange's chunks
 
 
 def sparseloco_rule(lr: float = 1.0, beta: float = 0.95) -> dict:
@@ -566,7 +563,7 @@ MEASURED = {
     1: dict(format="int", rotate=True, compensate=False),
 }
 SETTING_NAMES = tuple(REFERENCE)
-PRESETS = quant.PRESETS
+PRESETS = exchange_lib.PRESETS
 
 
 def settings(bits, preset="measured", density=None, **given):
@@ -575,7 +572,7 @@ def settings(bits, preset="measured", density=None, **given):
     compensated (its error feedback)."""
     if density is not None:
         return dict(format=given.get("format") or SPARSE_FORMATS.get(bits, "int"), rotate=False, compensate=True)
-    out = quant.preset_settings(bits, preset, given, reference=REFERENCE, measured=MEASURED, what="outer-exchange")
+    out = exchange_lib.preset_settings(bits, preset, given, reference=REFERENCE, measured=MEASURED, what="outer-exchange")
     if bits is None:  # an exact exchange: nothing to rotate or compensate unless asked (and then refused)
         out.update({k: bool(given.get(k)) for k in ("rotate", "compensate")})
     return out
@@ -657,10 +654,9 @@ class OuterLoop(NamedTuple):
         slot_axes |= set().union(*(specs.varying_axes(x) for x in jax.tree.leaves(params))) - {self.ex.axis_name}
         inflight = specs.to_varying(jnp.zeros((held,), jnp.float32), tuple(a for a in device_axes if a in slot_axes))
         error, error_scale = (), ()
-        if self.ex.compensate and self.ex.bits is not None:
-            stored = [jax.tree.map(lambda x: specs.to_varying(x, device_axes),
-                                   quant.stored_zeros((1, kp), self.ex.error_bits, block_size=self.ex.cfg.block_size))
-                      for kp in k]
+        feedback = self.ex.codec.feedback
+        if feedback is not None:
+            stored = [jax.tree.map(lambda x: specs.to_varying(x, device_axes), feedback.zeros((1, kp))) for kp in k]
             error, error_scale = tuple(s[0] for s in stored), tuple(s[1] for s in stored)
         zero = jnp.zeros((), jnp.int32)
         skipped = specs.to_varying(jnp.zeros((1,), jnp.int32), (self.ex.axis_name,))  # one count per replica
@@ -670,7 +666,7 @@ class OuterLoop(NamedTuple):
     def layouts(self, plan, params, d):
         """Each fragment's tile layout (chunks that follow the leaves; else Nones), from its pieces' shapes
         as this device holds them (FSDP: its shards)."""
-        if self.ex.chunks != "leaves":
+        if not self.ex.sparse or self.ex.codec.chunks != "leaves":
             return [None] * self.num_fragments
         shapes = [[x.shape for x in jax.eval_shape(lambda t, p=p: plan.select(t, p), params)]
                   for p in range(self.num_fragments)]
@@ -742,8 +738,8 @@ class OuterLoop(NamedTuple):
                 mean_delta = self.ex.gather_slices(coll.after(mean_slice, delivered), sizes[p], d, layouts[p])
             if unsent is not None:  # the replica's own unsent progress (keep_unsent); XLA:CPU: gathered after the mean
                 (held, held_scale), snapshot_p = unsent
-                held = quant.load(held, held_scale, self.ex.error_bits, block_size=self.ex.cfg.block_size)[0]
-                held = self.ex.gather_slices(coll.after(self.ex.error_beta * held, mean_delta), sizes[p], d,
+                held = self.ex.codec.feedback.load(held, held_scale)[0]
+                held = self.ex.gather_slices(coll.after(self.ex.codec.decay * held, mean_delta), sizes[p], d,
                                              layouts[p])
                 restart = plan.extract(local, p) - snapshot_p - held
             global_params, local, outer_states[p] = merge(plan, p, mean_delta, global_params, local, self.outer,
@@ -781,7 +777,7 @@ def diloco(
     num_fragments: int = 1,
     overlap: int = 0,
     alpha: float = 0.0,
-    bits: int | None = None,
+    bits: int | None | exchange_lib.Exact | exchange_lib.Dense | exchange_lib.Sparse = None,
     format: quant.Format | None = None,
     compensate: bool | None = None,
     rotate: bool | None = None,
@@ -792,7 +788,7 @@ def diloco(
     error_bits: int | None | str = "auto",
     strategy: frag.Strategy = "strided",
     labels=None,
-    preset: quant.Preset = "measured",
+    preset: exchange_lib.Preset = "measured",
     seed: int = 0,
     density: float | None = None,
     chunk: int = sparse_lib.DEFAULT_CHUNK,
@@ -814,7 +810,14 @@ def diloco(
       num_fragments: P; 1 is vanilla DiLoCo.
       overlap: tau, steps the exchange may take, in ``[0, floor(H / P))``.
       alpha: weight of the local parameters when merging, in ``[0, 1]``.
-      bits: outer-gradient bits on the wire (8, 4, 2, 1) or None (fp32).
+      bits: outer-gradient bits on the wire (8, 4, 2, 1) or None (fp32). Or
+        the exchange itself, a value of :mod:`loco_jax.exchange`
+        (``Exact()``, ``Dense(...)``, ``Sparse.of(density, ...)``); the
+        arguments that describe a codec (``format``, ``compensate``,
+        ``rotate``, ``block_size``, ``error_beta``, ``error_bits``,
+        ``preset``, ``seed``, ``density``, ``chunk``, ``index_bits``,
+        ``error_decay``, ``average_over``, ``chunks``) then stay at their
+        defaults.
       format: payload format, one of :data:`quant.FORMATS` (``"e3m0"`` is the
         paper's 4-bit choice). ``format``, ``compensate`` and ``rotate`` left
         at None take :data:`MEASURED`'s per-bit defaults (``preset="reference"``:
@@ -862,6 +865,19 @@ def diloco(
         vector into pieces of at most ``sqrt(chunk)``, ``k`` scaled to each
         chunk's size; :func:`loco_jax.sparse.tile_layout`).
     """
+    if isinstance(bits, exchange_lib.CODECS):  # the value's settings, then checked as if given
+        exchange_lib.require_defaults(
+            diloco, bits, format=format, compensate=compensate, rotate=rotate, block_size=block_size,
+            error_beta=error_beta, error_bits=error_bits, preset=preset, seed=seed, density=density, chunk=chunk,
+            index_bits=index_bits, error_decay=error_decay, average_over=average_over, chunks=chunks)
+        codec, bits, block_size = bits, bits.bits, bits.block_size
+        if isinstance(codec, exchange_lib.Dense):
+            format, compensate, rotate, error_beta, error_bits, seed = (codec.format, codec.compensate, codec.rotate,
+                                                                        codec.beta, codec.error_bits, codec.seed)
+        elif isinstance(codec, exchange_lib.Sparse):
+            c = codec.code
+            density, chunk, format, index_bits = c.k / c.chunk, c.chunk, c.format, c.index_bits
+            error_decay, error_bits, average_over, chunks = codec.decay, codec.error_bits, codec.average_over, codec.chunks
     _sparse_choice("average_over", average_over, AVERAGE_OVER, density,
                    "the sparse mean's divisor (M replicas, or the replicas that sent each entry)",
                    "sets a sparse mean's divisor; a dense exchange sends every entry from every replica, so its "
@@ -884,9 +900,13 @@ def diloco(
         raise ValueError("compensate=True compensates quantization error, but bits=None exchanges exact fp32; set bits.")
     if outer is None:
         outer = optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-    ex = Exchange(axis_name, data_axis, bits, coll.QuantConfig(bits or 8, block_size, format, rotate, seed), mode,
-                  compensate, error_beta if sparse_cfg is None else error_decay, error_bits, sparse_cfg, keep_unsent,
-                  average_over, chunks)
+    if sparse_cfg is not None:
+        codec = exchange_lib.Sparse(sparse_cfg, error_decay, error_bits, block_size, average_over, chunks)
+    elif bits is None:
+        codec = exchange_lib.Exact(block_size)
+    else:
+        codec = exchange_lib.Dense(bits, format, rotate, block_size, compensate, error_beta, error_bits, seed)
+    ex = Exchange(axis_name, data_axis, codec, mode, keep_unsent)
     schedule = dict(sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
 
     @functools.lru_cache(maxsize=8)

@@ -80,8 +80,8 @@ Model Training", arXiv 2407.04480 (TPAMI 2025), Algorithm 1; docs/algorithms.md,
 
 Why one module of this size: ``compress`` and its in-backward ``exchanger`` share one per-bucket
 step (bucket, send, exchange, receive) that must stay bit-identical between the two paths; the
-bucketing (:func:`bucket_layout`) and the error-feedback step (:func:`error_feedback`) are module-level
-pieces of their own.
+bucketing (:func:`bucket_layout`) is a module-level piece of its own, and the payload and its error step
+are the codec's (:mod:`loco_jax.exchange`, shared with DiLoCo's outer exchange).
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import collectives as coll
+from loco_jax import exchange as exchange_lib
 from loco_jax import quant, specs
 from loco_jax.checks import is_int, require_int
 # skip_nonfinite: part of this module's public API (``loco.skip_nonfinite(optax.chain(loco.compress(), ...))``)
@@ -107,7 +108,7 @@ Reduce = Literal["mean", "scatter"]
 NonFinite = Literal["skip", "propagate"]
 REDUCE_MODES = get_args(Reduce)
 NONFINITE_MODES = get_args(NonFinite)
-PRESETS = quant.PRESETS
+PRESETS = exchange_lib.PRESETS
 
 # LoCo's reference settings (the authors' code): absmax int payloads, beta 0.8, no rotation, no
 # second-stage buffer. ``preset="reference"`` gives these at every bit width.
@@ -134,7 +135,7 @@ def settings(bits, preset="measured", **given):
 
     ``preset="measured"``: :data:`MEASURED` (the per-bit defaults); ``"reference"``: :data:`REFERENCE`.
     """
-    return quant.preset_settings(bits, preset, given, reference=REFERENCE, measured=MEASURED, what="LoCo")
+    return exchange_lib.preset_settings(bits, preset, given, reference=REFERENCE, measured=MEASURED, what="LoCo")
 
 
 def settings_of(fields) -> dict:
@@ -230,38 +231,6 @@ def state_axes(leaves, axis_name):
     return tuple(a for a in specs.manual_axes() if a == axis_name or a in varying)
 
 
-def rounded_apart(x, never):
-    """``x``, rounded as its own operation: a select on ``never`` (a flag that is always false but that the
-    compiler cannot fold) stands between ``x`` and whatever consumes it.
-
-    XLA:CPU contracts a product and a sum that share a fusion into one fused multiply-add, and whether it
-    does depends on how the rest of the program is fused: the same error buffers came out one rounding
-    apart from ``compress`` and from the in-backward exchange (a decoded payload ``code * scale``
-    subtracted from the compensated gradient, the two products of the moving average). With the select,
-    every program rounds the product first.
-    """
-    return jnp.where(never, jnp.zeros((), x.dtype), x)
-
-
-def _moving_average(old, new, beta, never):
-    """``beta * old + (1 - beta) * new``, each product rounded before the sum (:func:`rounded_apart`)."""
-    return rounded_apart(beta * old, never) + rounded_apart((1.0 - beta) * new, never)
-
-
-def error_feedback(e, h, sent, *, beta, error_bits, block_size=quant.DEFAULT_BLOCK_SIZE, never=False):
-    """The stored error after one compensated compression (docs/algorithms.md, "4. LoCo error compensation"):
-
-        e_new = Q_e( beta * e + (1 - beta) * (h - sent) )
-
-    ``e``: the error that compensated ``h = x + e``; ``sent``: what the receivers decode of ``h``
-    (``DQ(Q_b(h))``); ``beta = 0`` is plain error feedback, LoCo's default 0.8 a moving average of the
-    compression errors. ``Q_e`` is :func:`loco_jax.quant.store` at ``error_bits`` (None: fp32). Returns its
-    ``(values, scales)``. ``never``: a traced flag that is always false, for programs that must round
-    alike (:func:`rounded_apart`); LoCo, its in-backward exchange and DiLoCo's compensated exchange all pass one.
-    """
-    return quant.store(_moving_average(e, h - rounded_apart(sent, never), beta, never), error_bits, block_size=block_size)
-
-
 def _check_grads_vary(leaves, axis_name):
     """The silent-psum trap: under check_vma, gradients must vary over ``axis_name``."""
     if axis_name is None or not specs.check_vma_enabled(axis_name):
@@ -278,7 +247,7 @@ def _check_grads_vary(leaves, axis_name):
 
 
 def compress(
-    bits: int | None = 4,
+    bits: int | None | exchange_lib.Dense | exchange_lib.Exact = 4,
     *,
     beta: float | None = None,
     reset_every: int | None = 1024,
@@ -295,7 +264,7 @@ def compress(
     seed: int = 0,
     nonfinite: NonFinite = "skip",
     bucket_size: int | None = None,
-    preset: quant.Preset = "measured",
+    preset: exchange_lib.Preset = "measured",
     shard_dims=None,
     fast_axis: str | None = None,
     groups=None,
@@ -310,7 +279,12 @@ def compress(
 
     Args:
       bits: 8, 4, 2 or 1 bits per value on the wire (plus 32 / ``block_size``
-        for the scales); ``None`` is the exact fp32 mean.
+        for the scales); ``None`` is the exact fp32 mean. Or the exchange
+        itself, a value of :mod:`loco_jax.exchange`: ``compress(Dense(4,
+        format="lloyd", rotate=True, compensate=True, beta=0.0))``, or
+        ``Exact()``; its settings are then the codec's, and ``beta``,
+        ``error_bits``, ``block_size``, ``format``, ``rotate``,
+        ``compensate``, ``preset`` and ``seed`` stay at their defaults.
       beta: weight of the old error in the moving average, in [0, 1); 0 is
         plain error feedback.
       reset_every: zero every error buffer when ``t % reset_every == 0``
@@ -468,22 +442,33 @@ class BucketStep(NamedTuple):
     scatter: bool
     bucket_size: int | None
     stochastic_rounding: bool
-    cfg: coll.QuantConfig
-    quantized: bool
-    keep_error: bool
-    error_bits: int | None
-    beta: float
+    seed: int  # of the stochastic-rounding key (a Dense codec's rotations use its own, the same)
+    codec: Any  # exchange.Dense or exchange.Exact: the payload and its error step
     compensate_second_stage: bool
     mode: str
     reset_every: int | None
     shard_dims: Any
     nonfinite: str
-    groups: Any  # compress(groups=); the quantizer's block size and seed are cfg's
+    groups: Any  # compress(groups=); the quantizer's block size is the codec's
+
+    @property
+    def cfg(self) -> coll.QuantConfig:
+        """The payload's codec (a quantized exchange's)."""
+        return self.codec.quant
+
+    @property
+    def quantized(self) -> bool:
+        return self.codec.bits is not None
+
+    @property
+    def feedback(self):
+        """The codec's error step (:class:`loco_jax.exchange.ErrorFeedback`), None where no error is kept."""
+        return self.codec.feedback
 
     def layout(self, shapes, dims, labels, m):
         """:func:`bucket_layout` with this transformation's settings (``m``: devices on ``axis_name``)."""
         fast_size = coll.axis_size(self.fast_axis) if self.fast_axis is not None else None
-        return bucket_layout(shapes, dims, labels, m, block_size=self.cfg.block_size, bucket_size=self.bucket_size,
+        return bucket_layout(shapes, dims, labels, m, block_size=self.codec.block_size, bucket_size=self.bucket_size,
                              scatter=self.scatter, fast_size=fast_size)
 
     def labels_of(self, treedef, count):
@@ -501,8 +486,8 @@ class BucketStep(NamedTuple):
         if self.fast_axis is not None:
             specs.require_axis(self.fast_axis, "loco.compress")
         count = jnp.zeros((), jnp.int32)
-        key = jax.random.key_data(jax.random.PRNGKey(self.cfg.seed))
-        if not self.keep_error:
+        key = jax.random.key_data(jax.random.PRNGKey(self.seed))
+        if self.feedback is None:
             return CompressState(count, count, key)
         m = coll.axis_size(self.axis_name)
         leaves, treedef = jax.tree.flatten(params)
@@ -513,7 +498,7 @@ class BucketStep(NamedTuple):
             device_axes = tuple(a for a in specs.manual_axes() if a in device_axes or a == self.fast_axis)
 
         def zeros(shape, depth=None):
-            values, scales = quant.stored_zeros(shape, self.error_bits, block_size=self.cfg.block_size)
+            values, scales = self.feedback.zeros(shape)
             if depth is not None:
                 values, scales = jax.tree.map(lambda x: jnp.broadcast_to(x, (depth,) + x.shape), (values, scales))
             return jax.tree.map(lambda x: specs.to_varying(x, device_axes), (values, scales))
@@ -593,18 +578,16 @@ class BucketStep(NamedTuple):
         """``(h, e)``: the rows rotated (identity unless rotate; errors live in this domain) plus the stored
         stage-1 error (zero on a reset step; ``e`` None where none is kept)."""
         rows = self.cfg.rotate_in(rows, b)
-        if not self.keep_error:
+        if self.feedback is None:
             return rows, None
-        e = jnp.where(inputs.reset, 0.0, quant.load(slot[0], slot[1], self.error_bits, block_size=self.cfg.block_size))
-        return rows + e, e
+        e = self.feedback.load(slot[0], slot[1], inputs.reset)
+        return self.feedback.compensate(rows, e), e
 
     def _stored(self, e, h, sent, slot, inputs):
         """The slot with its new stage-1 error: the moving average of the compression errors ``h - sent``."""
-        if not self.keep_error:
+        if self.feedback is None:
             return slot
-        values, scales = error_feedback(e, h, sent, beta=self.beta, error_bits=self.error_bits,
-                                        block_size=self.cfg.block_size, never=inputs.t < 0)
-        return (values, scales) + tuple(slot[2:])
+        return self.feedback.update(e, h, sent, never=inputs.t < 0) + tuple(slot[2:])
 
     def pipelined(self):
         """True where a bucket's step splits at its all-to-all (:func:`send`, the collective, :func:`receive`):
@@ -642,12 +625,10 @@ class BucketStep(NamedTuple):
         key2 = coll.device_key(inputs.key, axes, 2 * b + 1) if self.stochastic_rounding else None
         if not self.compensate_second_stage:
             return coll.all_gather_chunk(chunk, self.axis_name, self.cfg, key2)[0], slot
-        e2 = jnp.where(inputs.reset, 0.0, quant.load(slot[2], slot[3], self.error_bits, block_size=self.cfg.block_size))
-        h2 = chunk[None] + e2
+        e2 = self.feedback.load(slot[2], slot[3], inputs.reset)
+        h2 = self.feedback.compensate(chunk[None], e2)
         mean_rows, sent2 = coll.all_gather_chunk(h2[0], self.axis_name, self.cfg, key2)
-        values, scales = error_feedback(e2, h2, sent2[None], beta=self.beta, error_bits=self.error_bits,
-                                        block_size=self.cfg.block_size, never=inputs.t < 0)
-        return mean_rows, tuple(slot[:2]) + (values, scales)
+        return mean_rows, tuple(slot[:2]) + self.feedback.update(e2, h2, sent2[None], never=inputs.t < 0)
 
     def bucket(self, b, leaves, dims, slot, inputs, axes):
         """One bucket's LoCo step: ``(outputs, new slot)``.
@@ -767,6 +748,18 @@ def _build(bits, *, beta, reset_every, error_bits, block_size, format, rotate, a
            compensate_second_stage, stochastic_rounding, seed, nonfinite, bucket_size, preset, shard_dims, fast_axis,
            groups) -> Exchanger:
     """The Exchanger of ``compress``'s arguments, every one given (:func:`exchanger` fills compress's defaults)."""
+    if isinstance(bits, exchange_lib.Sparse):
+        raise ValueError(f"loco.compress({bits!r}): LoCo's all-reduce sends dense payloads; use exchange.Dense or "
+                         "exchange.Exact (a sparse exchange is diloco.diloco's).")
+    if isinstance(bits, exchange_lib.CODECS):  # the codec's settings, checked as if given
+        exchange_lib.require_defaults(compress, bits, beta=beta, error_bits=error_bits, block_size=block_size,
+                                      format=format, rotate=rotate, compensate=compensate, preset=preset, seed=seed)
+        codec = bits
+        bits = codec.bits
+        block_size = codec.block_size
+        if isinstance(codec, exchange_lib.Dense):
+            beta, error_bits, format, rotate = codec.beta, codec.error_bits, codec.format, codec.rotate
+            compensate, seed = codec.compensate, codec.seed
     resolved = settings(bits, preset, format=format, rotate=rotate, beta=beta, compensate=compensate,
                         compensate_second_stage=compensate_second_stage)
     if bits is None:  # the exact mean: nothing to compress, nothing to compensate
@@ -793,10 +786,10 @@ def _build(bits, *, beta, reset_every, error_bits, block_size, format, rotate, a
             )
     if shard_dims is not None and reduce != "scatter":
         raise ValueError(f"shard_dims is for reduce='scatter' (FSDP); reduce={reduce!r} returns full-shape means.")
-    step = BucketStep(axis_name, fast_axis, reduce == "scatter", bucket_size, stochastic_rounding,
-                      coll.QuantConfig(bits or 8, block_size, format, rotate, seed), bits is not None,
-                      bits is not None and compensate, error_bits, beta, compensate_second_stage, mode, reset_every,
-                      shard_dims, nonfinite, groups)
+    codec = (exchange_lib.Exact(block_size) if bits is None else
+             exchange_lib.Dense(bits, format, rotate, block_size, compensate, beta, error_bits, seed))
+    step = BucketStep(axis_name, fast_axis, reduce == "scatter", bucket_size, stochastic_rounding, seed, codec,
+                      compensate_second_stage, mode, reset_every, shard_dims, nonfinite, groups)
     return Exchanger(
         transformation=optax.GradientTransformationExtraArgs(step.init, step.update), layout=step.layout,
         bucket=step.bucket, pipelined=step.pipelined(), send=step.send, exchange=step.exchange, receive=step.receive,

@@ -247,26 +247,6 @@ def validate_compression(bits, block_size, format, *, error_bits, beta, beta_nam
         raise ValueError(f"{beta_name}={beta!r} must lie in [0, 1) (0 is plain error feedback; LoCo uses 0.8).")
 
 
-Preset = Literal["measured", "reference"]
-PRESETS = get_args(Preset)
-
-
-def preset_settings(bits, preset, given, *, reference, measured, what):
-    """Compression settings for ``bits``: each of ``given`` that is not None, else the preset's value.
-
-    ``reference`` is one dict of settings for every width; ``measured`` maps a bit width to its dict
-    (widths it lacks, and ``bits=None``, take the reference). Used by ``loco.settings`` and
-    ``diloco.settings``; ``what`` names the caller's settings in errors.
-    """
-    if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r} is unknown; choose one of {PRESETS}.")
-    unknown = set(given) - set(reference)
-    if unknown:
-        raise ValueError(f"unknown {what} setting(s) {sorted(unknown)}; the settings are {tuple(reference)}.")
-    base = reference if preset == "reference" or bits not in measured else measured[bits]
-    return {k: (given[k] if given.get(k) is not None else base[k]) for k in reference}
-
-
 def qmax(bits):
     """Largest integer code magnitude of the symmetric ``int`` format."""
     return 2 ** (bits - 1) - 1

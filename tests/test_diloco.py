@@ -10,7 +10,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import collectives, diloco, hlo
+from loco_jax import collectives, diloco, exchange, hlo
 from tests.helpers import (BATCH, D, D_IN, D_OUT, DEVICES, M, N_LAYERS, Run, inner_adamw, inner_sgd, local,
                            loss_fn, make_data, make_params, plain_inner, plain_sgd_outer, put, replicate)
 
@@ -497,6 +497,6 @@ def test_schedule_phases_and_slices():
     assert diloco.schedule_phases(6, 3, 1) == [diloco.Phase(None, None), diloco.Phase(0, 0), diloco.Phase(1, 1),
                                                diloco.Phase(2, 2)]
     assert diloco.schedule_phases(4, 1, 0) == [diloco.Phase(None, None), diloco.Phase(0, 0)]
-    ex = diloco.Exchange("replica", "data", 4, collectives.QuantConfig(4, 256), "all_gather", False, 0.8, 8)
+    ex = diloco.Exchange("replica", "data", exchange.Dense(4, compensate=False), "all_gather")
     assert ex.slice_len(3072, 4, 2) == 768 and ex.slice_len(3073, 4, 2) == 1024 and ex.slice_len(10, 4, 2) == 256
     assert ex._replace(mode="two_stage").slice_len(3072, 4, 2) == 1024  # whole blocks per replica: M B units

@@ -11,7 +11,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import diloco, hlo, quant, sparse
+from loco_jax import diloco, exchange, hlo, quant, sparse
 from tests.helpers import (D, DEVICES, M, Run, inner_adamw, local, make_data, make_params, per_device, plain_inner,
                            put)
 
@@ -172,8 +172,7 @@ def test_the_sparse_exchange_is_the_mean_of_every_replicas_top_k_with_error_feed
     """One exchange on the (2, 4) mesh: each device's slice, a = beta e + Delta, sends C(a), keeps a - C(a);
     over replicas the mean is (1/M) sum_m C(a_m) on every replica (NumPy re-derivation, values in ``fmt``)."""
     cfg = sparse.sparse_config(1 / 16, chunk=256, bits=2, format=fmt)
-    ex = diloco.Exchange("replica", "data", 2, diloco.coll.QuantConfig(2, 256, "uniform"), "all_gather", True,
-                         decay, error_bits, cfg, average_over="replicas")
+    ex = diloco.Exchange("replica", "data", exchange.Sparse(cfg, decay, error_bits, 256, "replicas"), "all_gather")
     k = 2 * 256  # this device's slice: 2 chunks
     deltas = np.stack([distinct(k, seed=s) for s in range(M * D)]).reshape(M, D, k)
     errors = np.stack([distinct(k, seed=100 + s) * 0.3 for s in range(M * D)]).reshape(M, D, k)
@@ -220,8 +219,8 @@ def test_the_mean_over_senders_divides_each_entry_by_the_replicas_that_sent_it(m
     where "same" positions give the mean over replicas to the bit. "overlapping" holds one entry per chunk 100x
     the others: at 2-bit ``int`` the rest of its top-k decode to exactly 0 and still count as sent."""
     cfg = sparse.sparse_config(1 / 16, chunk=256, bits=2, format="int")
-    make = lambda average: diloco.Exchange("replica", "data", 2, diloco.coll.QuantConfig(2, 256, "int"), "all_gather",
-                                           True, 1.0, None, cfg, False, average)
+    make = lambda average: diloco.Exchange("replica", "data", exchange.Sparse(cfg, 1.0, None, 256, average),
+                                           "all_gather")
     k = 2 * 256
     own = {"same": [range(16), range(16)], "disjoint": [range(16), range(16, 32)],
            "overlapping": [range(16), range(8, 24)]}[support]

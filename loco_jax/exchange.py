@@ -1,0 +1,210 @@
+"""The project's one idea as a value: compress, exchange, decode, keep the error.
+
+A value ``x`` (a gradient, an outer gradient) crosses a slow link as a small payload, and what the payload
+loses is kept and sent later (docs/algorithms.md, "4. LoCo error compensation" and "6. DiLoCo and
+Streaming DiLoCo")::
+
+    h     = x + c e                                  compensate: the stored error, carried at weight c
+    p     = Q(h)                                     encode: the uint8 payload that crosses the link
+    sent  = DQ(p)                                    decode: what every receiver reads of h
+    e_new = Q_e( a e + (1 - a)(h - sent) )           keep the error: a moving average of what was lost
+
+The same four lines run at two time scales. :func:`loco_jax.loco.compress` runs them every step on the
+gradients inside a replica (over the data axis: ``c = 1``, ``a`` = LoCo's ``beta``; 0 is plain error
+feedback). :func:`loco_jax.diloco.diloco` runs them every round on each fragment's outer gradient across
+replicas (``c = 1``, ``a`` = ``error_beta`` dense; ``c`` = the accumulator's decay, ``a = 0`` sparse,
+SparseLoCo's ``e <- decay e + Delta``, then ``e <- e - sent``). Which collective moves ``p`` (a two-stage
+all-reduce, an all-gather) is the caller's; the codec and the error step are these values':
+
+- :class:`Exact`: the fp32 mean; nothing encoded, nothing kept.
+- :class:`Dense`: every value at ``bits`` (:mod:`loco_jax.quant`: block scales, formats, an optional
+  randomized-Hadamard rotation), the error compensated when ``compensate``.
+- :class:`Sparse`: each chunk's top ``density`` share of entries at ``bits`` (:mod:`loco_jax.sparse`),
+  always compensated (what is not sent is held back, not dropped).
+
+Each has a ``feedback``: its :class:`ErrorFeedback` (the error step above), or None where nothing is kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Literal, NamedTuple, get_args
+
+import jax.numpy as jnp
+
+from loco_jax import collectives as coll
+from loco_jax import quant
+from loco_jax import sparse as sparse_lib
+
+AVERAGE_OVER = ("senders", "replicas")  # a sparse mean's divisor (Sparse.average_over)
+CHUNKS = ("flat", "leaves")  # a sparse exchange's chunks (Sparse.chunks)
+
+
+# Where the settings a caller leaves at None come from: the per-bit table measured best, or the
+# authors' reference code's (each algorithm keeps its own tables: loco.MEASURED, diloco.MEASURED).
+Preset = Literal["measured", "reference"]
+PRESETS = get_args(Preset)
+
+
+def preset_settings(bits, preset, given, *, reference, measured, what):
+    """Compression settings for ``bits``: each of ``given`` that is not None, else the preset's value.
+
+    ``reference`` is one dict of settings for every width; ``measured`` maps a bit width to its dict
+    (widths it lacks, and ``bits=None``, take the reference). Used by ``loco.settings`` (each
+    step's exchange) and ``diloco.settings`` (each round's); ``what`` names the caller's settings in errors.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r} is unknown; choose one of {PRESETS}.")
+    unknown = set(given) - set(reference)
+    if unknown:
+        raise ValueError(f"unknown {what} setting(s) {sorted(unknown)}; the settings are {tuple(reference)}.")
+    base = reference if preset == "reference" or bits not in measured else measured[bits]
+    return {k: (given[k] if given.get(k) is not None else base[k]) for k in reference}
+
+
+def rounded_apart(x, never):
+    """``x``, rounded as its own operation: a select on ``never`` (a flag that is always false but that the
+    compiler cannot fold) stands between ``x`` and whatever consumes it.
+
+    XLA:CPU contracts a product and a sum that share a fusion into one fused multiply-add, and whether it
+    does depends on how the rest of the program is fused: the same error buffers came out one rounding
+    apart from ``compress`` and from the in-backward exchange (a decoded payload ``code * scale``
+    subtracted from the compensated gradient, the two products of the moving average). With the select,
+    every program rounds the product first.
+    """
+    return jnp.where(never, jnp.zeros((), x.dtype), x)
+
+
+class ErrorFeedback(NamedTuple):
+    """The error step, written once (the module's docstring)::
+
+        h = x + carry e,    e_new = Q_e( average e + (1 - average)(h - sent) )
+
+    ``carry = 1`` and ``average = beta`` is LoCo's (``beta = 0``: plain error feedback, Seide et al. 2014);
+    ``carry = decay`` and ``average = 0`` is the sparse accumulator's. ``Q_e`` keeps the error at ``bits``
+    with one scale per ``block_size`` values (:func:`loco_jax.quant.store`; None: fp32). ``never``: a traced
+    flag that is always false, for programs that must round alike (:func:`rounded_apart`).
+    """
+
+    carry: float = 1.0
+    average: float = 0.0
+    bits: int | None = 8
+    block_size: int = quant.DEFAULT_BLOCK_SIZE
+
+    def zeros(self, shape):
+        """The stored form of a zero error of ``shape`` ``(rows, cols)``: ``(values, scales)``."""
+        return quant.stored_zeros(shape, self.bits, block_size=self.block_size)
+
+    def load(self, values, scales, reset=None):
+        """The fp32 error of a stored one; zero where ``reset`` (a traced flag) is set."""
+        e = quant.load(values, scales, self.bits, block_size=self.block_size)
+        return e if reset is None else jnp.where(reset, 0.0, e)
+
+    def compensate(self, x, e, never=False):
+        """``h = x + carry e``."""
+        return x + e if self.carry == 1.0 else rounded_apart(self.carry * e, never) + x
+
+    def update(self, e, h, sent, never=False):
+        """The stored new error ``(values, scales)`` after ``h`` was sent as ``sent``."""
+        lost = h - rounded_apart(sent, never)
+        if self.average != 0.0:  # each product rounded before the sum
+            lost = rounded_apart(self.average * e, never) + rounded_apart((1.0 - self.average) * lost, never)
+        return quant.store(lost, self.bits, block_size=self.block_size)
+
+
+def _same(rows, salt=0):
+    return rows
+
+
+class Exact(NamedTuple):
+    """The exact fp32 mean: no payload format, no error kept. ``block_size``: the unit its callers still cut
+    buckets and slices in (the layouts of a quantized exchange of those blocks)."""
+
+    block_size: int = quant.DEFAULT_BLOCK_SIZE
+    rotate_in = rotate_out = staticmethod(_same)  # no rotation
+
+    @property
+    def bits(self):
+        return None
+
+    @property
+    def feedback(self):
+        return None
+
+
+class Dense(NamedTuple):
+    """Every value at ``bits`` bits (:mod:`loco_jax.quant`): ``format`` (``"int"`` absmax, ``"e3m0"``,
+    ``"uniform"``, ``"lloyd"``), one scale per ``block_size`` values, in the randomized-Hadamard domain of
+    ``seed`` when ``rotate``. With ``compensate`` the error is kept at ``error_bits`` as a moving average of
+    weight ``beta`` (:class:`ErrorFeedback`; ``beta = 0``: plain error feedback)."""
+
+    bits: int = 4
+    format: quant.Format = "int"
+    rotate: bool = False
+    block_size: int = quant.DEFAULT_BLOCK_SIZE
+    compensate: bool = True
+    beta: float = 0.8
+    error_bits: int | None = 8
+    seed: int = 0
+
+    @property
+    def quant(self) -> coll.QuantConfig:
+        """The payload's codec (encode, decode, the rotation)."""
+        return coll.QuantConfig(self.bits, self.block_size, self.format, self.rotate, self.seed)
+
+    @property
+    def feedback(self) -> ErrorFeedback | None:
+        return ErrorFeedback(1.0, self.beta, self.error_bits, self.block_size) if self.compensate else None
+
+    def rotate_in(self, rows, salt=0):
+        """Into bucket or fragment ``salt``'s rotated domain (identity unless ``rotate``)."""
+        return self.quant.rotate_in(rows, salt)
+
+    def rotate_out(self, rows, salt=0):
+        return self.quant.rotate_out(rows, salt)
+
+
+class Sparse(NamedTuple):
+    """Each chunk's largest entries: ``code`` (a :class:`loco_jax.sparse.SparseConfig`: ``k`` of every
+    ``chunk`` values, at ``bits`` in its ``format``, positions at ``index_bits``), built by
+    :meth:`of`. The error is the decayed accumulator ``e <- decay e + x``, less what was sent
+    (:class:`ErrorFeedback` with ``carry = decay``, ``average = 0``), kept at ``error_bits`` (None: fp32)
+    with one scale per ``block_size``. ``average_over``: each entry's mean over the ``"senders"`` (the
+    replicas whose payload holds it) or over all ``"replicas"``; ``chunks``: ``"flat"`` (every ``chunk``
+    values of the flattened fragment) or ``"leaves"`` (tiles and pieces that follow its leaves)."""
+
+    code: sparse_lib.SparseConfig
+    decay: float = 1.0
+    error_bits: int | None = None
+    block_size: int = quant.DEFAULT_BLOCK_SIZE
+    average_over: str = "senders"
+    chunks: str = "flat"
+    rotate_in = rotate_out = staticmethod(_same)  # entries are picked in the values' own domain
+
+    @classmethod
+    def of(cls, density, *, chunk=sparse_lib.DEFAULT_CHUNK, bits=2, format="uniform", index_bits=None, **rest):
+        """The sparse exchange of ``density`` (a checked :func:`loco_jax.sparse.sparse_config`)."""
+        return cls(sparse_lib.sparse_config(density, chunk=chunk, bits=bits, format=format, index_bits=index_bits),
+                   **rest)
+
+    @property
+    def bits(self) -> int:
+        return self.code.bits
+
+    @property
+    def feedback(self) -> ErrorFeedback:
+        return ErrorFeedback(self.decay, 0.0, self.error_bits, self.block_size)
+
+
+CODECS = (Exact, Dense, Sparse)
+
+
+def require_defaults(factory, codec, **given):
+    """With an exchange value passed to ``factory`` (``loco.compress``, ``diloco.diloco``), the arguments that
+    describe a codec stay at ``factory``'s defaults: the value carries them. Each one given is refused by name."""
+    defaults = inspect.signature(factory).parameters
+    for name, value in given.items():
+        if value != defaults[name].default:
+            raise ValueError(f"{factory.__module__.split('.')[-1]}.{factory.__name__}({codec!r}, {name}={value!r}): "
+                             f"the exchange value carries its own {name}; set it there, or pass bits=<int> with "
+                             f"{name}.")

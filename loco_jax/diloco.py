@@ -727,21 +727,9 @@ class OuterLoop(NamedTuple):
             mean_slice = mean_now if mean_now is not None else coll.after(inflight[:k], (local, dropped))
             # a dropped round (now, or at its send step): the fragment keeps its values
             delivered = replica_finite(mean_slice, self.ex.axis_name)
-            # inside the replica, every device needs the whole fragment: move the exchanged codes where they
-            # are fewer bytes than the fp32 slice (held across steps, tau >= 2, the slot keeps fp32). XLA:CPU:
-            # that gather follows the check across replicas.
-            if d > 1 and codes_now is not None and codes_now[0].size < GATHER_CODES_BELOW * k:
-                gathered, finish = codes_now
-                mean_delta = self.ex.gather_codes((coll.after(gathered, delivered), finish), p, sizes[p], d,
-                                                  layouts[p])
-            else:
-                mean_delta = self.ex.gather_slices(coll.after(mean_slice, delivered), sizes[p], d, layouts[p])
-            if unsent is not None:  # the replica's own unsent progress (keep_unsent); XLA:CPU: gathered after the mean
-                (held, held_scale), snapshot_p = unsent
-                held = self.ex.codec.feedback.load(held, held_scale)[0]
-                held = self.ex.gather_slices(coll.after(self.ex.codec.decay * held, mean_delta), sizes[p], d,
-                                             layouts[p])
-                restart = plan.extract(local, p) - snapshot_p - held
+            mean_delta = self.whole_mean(p, mean_slice, codes_now, delivered, sizes[p], d, k, layouts[p])
+            if unsent is not None:  # the replica's own unsent progress (keep_unsent)
+                restart = self.restart(plan, p, local, unsent, mean_delta, sizes[p], d, layouts[p])
             global_params, local, outer_states[p] = merge(plan, p, mean_delta, global_params, local, self.outer,
                                                           outer_states[p], self.alpha, delivered, restart)
 
@@ -750,6 +738,24 @@ class OuterLoop(NamedTuple):
             inner_state, global_params, tuple(outer_states), state.step + 1,
             state.skipped + (~inner_ok).astype(jnp.int32), inflight, tuple(error), tuple(error_scale), dropped,
         )
+
+    def whole_mean(self, p, mean_slice, codes, delivered, size, d, k, layout):
+        """Fragment ``p``'s whole mean on every device of the replica, from this device's slice. The
+        exchanged codes move where they are fewer bytes than the fp32 slice (held across steps, tau >= 2,
+        the slot keeps fp32). XLA:CPU: the gather follows the check across replicas (``delivered``)."""
+        if d > 1 and codes is not None and codes[0].size < GATHER_CODES_BELOW * k:
+            gathered, finish = codes
+            return self.ex.gather_codes((coll.after(gathered, delivered), finish), p, size, d, layout)
+        return self.ex.gather_slices(coll.after(mean_slice, delivered), size, d, layout)
+
+    def restart(self, plan, p, local, unsent, mean_delta, size, d, layout):
+        """``keep_unsent``: fragment ``p``'s restart values less the global ones, the replica's own local
+        progress less its decayed accumulator (``unsent``: the stored accumulator and the send step's
+        snapshot). XLA:CPU: gathered after the mean."""
+        (held, held_scale), snapshot_p = unsent
+        held = self.ex.codec.feedback.load(held, held_scale)[0]
+        held = self.ex.gather_slices(coll.after(self.ex.codec.decay * held, mean_delta), size, d, layout)
+        return plan.extract(local, p) - snapshot_p - held
 
     def update(self, grads, state, params=None, phase=None, **extra):
         """optax's ``update``: the static phase ``phase`` (one compiled program per phase), or, without it, a

@@ -383,29 +383,9 @@ def _assign_blocks(num_layers: int, num_fragments: int, strategy: Strategy) -> n
     return 1 + (i * (num_fragments - 1)) // num_layers
 
 
-def _detect(paths_raw, paths, shapes, num_fragments, strategy, num_layers):
-    kinds = [_block_of(pr) for pr in paths_raw]
-    unrolled = {}  # block -> leaf paths
-    scanned = []  # (leaf index, L)
-    for i, (kind, b) in enumerate(kinds):
-        if kind == "block":
-            unrolled.setdefault(b, []).append(paths[i])
-        elif kind == "scanned":
-            if len(shapes[i]) == 0:
-                raise ValueError(
-                    f"leaf {paths[i]!r} sits under 'layers'/'blocks' without a block index, so it is taken as a "
-                    "scanned (stacked) leaf, but it is a scalar with no leading layer axis; pass labels= instead."
-                )
-            scanned.append((i, shapes[i][0]))
-
-    if not unrolled and not scanned:
-        raise ValueError(
-            f"num_fragments={num_fragments} needs transformer blocks for fragments 1..{num_fragments - 1}, but the "
-            "tree has no transformer blocks (no path component like 'layers_3', 'layers/3', 'blocks/3', 'h_3', "
-            "or a scanned 'layers'/'blocks' subtree). Pass labels= to assign fragments explicitly, or use "
-            "num_fragments=1."
-        )
-
+def _layer_count(unrolled, scanned, paths, num_layers):
+    """``L``, the transformer blocks of a tree: the scanned leaves' common leading axis (the unrolled blocks,
+    if any, exactly 0..L-1), or the unrolled blocks' contiguous count; checked against ``num_layers``."""
     if scanned:
         lengths = sorted({n for _, n in scanned})
         if len(lengths) > 1:
@@ -435,6 +415,33 @@ def _detect(paths_raw, paths, shapes, num_fragments, strategy, num_layers):
             )
         if num_layers is not None and L != num_layers:
             raise ValueError(f"num_layers={num_layers}, but the tree has blocks 0..{L - 1} ({L} blocks).")
+    return L
+
+
+def _detect(paths_raw, paths, shapes, num_fragments, strategy, num_layers):
+    kinds = [_block_of(pr) for pr in paths_raw]
+    unrolled = {}  # block -> leaf paths
+    scanned = []  # (leaf index, L)
+    for i, (kind, b) in enumerate(kinds):
+        if kind == "block":
+            unrolled.setdefault(b, []).append(paths[i])
+        elif kind == "scanned":
+            if len(shapes[i]) == 0:
+                raise ValueError(
+                    f"leaf {paths[i]!r} sits under 'layers'/'blocks' without a block index, so it is taken as a "
+                    "scanned (stacked) leaf, but it is a scalar with no leading layer axis; pass labels= instead."
+                )
+            scanned.append((i, shapes[i][0]))
+
+    if not unrolled and not scanned:
+        raise ValueError(
+            f"num_fragments={num_fragments} needs transformer blocks for fragments 1..{num_fragments - 1}, but the "
+            "tree has no transformer blocks (no path component like 'layers_3', 'layers/3', 'blocks/3', 'h_3', "
+            "or a scanned 'layers'/'blocks' subtree). Pass labels= to assign fragments explicitly, or use "
+            "num_fragments=1."
+        )
+
+    L = _layer_count(unrolled, scanned, paths, num_layers)
 
     if num_fragments - 1 > L:
         got = set(_assign_blocks(L, num_fragments, strategy).tolist())

@@ -826,46 +826,44 @@ class _Walker:
                     continue
                 self.emit(ins, kind, is_start, comp, consumers, mult, per_iter, ctx, path)
             elif ins.opcode == "while":
-                n = trip_count(ins.attrs)
-                if n is None:
-                    label, m2, p2 = "while body (trip count unknown, per iteration)", mult, True
-                    clabel, cm = "while condition (trip count unknown, per iteration)", mult
-                else:
-                    label, m2, p2 = f"while body x{n}", mult * n, per_iter
-                    clabel, cm = f"while condition x{n + 1}", mult * (n + 1)
-                for c in computation_names(ins.attrs.get("body", "")):
-                    self.walk(c, m2, p2, ctx + (label,), path, here, stack)
-                for c in computation_names(ins.attrs.get("condition", "")):
-                    self.walk(c, cm, p2, ctx + (clabel,), path, here, stack)
+                self.walk_while(ins, mult, per_iter, ctx, path, here, stack)
             elif ins.opcode == "conditional":
-                if "branch_computations" in ins.attrs:
-                    branches = computation_names(ins.attrs["branch_computations"])
-                    labels = [str(i) for i in range(len(branches))]
-                else:
-                    branches = computation_names(ins.attrs.get("true_computation", "")) + computation_names(
-                        ins.attrs.get("false_computation", "")
-                    )
-                    labels = ["0 (true)", "1 (false)"][: len(branches)]
-                for i, (c, lab) in enumerate(zip(branches, labels)):
-                    self.walk(
-                        c,
-                        mult,
-                        per_iter,
-                        ctx + (f"conditional branch {lab} of {ins.name}",),
-                        path + ((here, i, len(branches)),),
-                        here,
-                        stack,
-                    )
-            elif ins.opcode in ("call", "fusion", "async-start", "custom-call"):
-                keys = {
-                    "call": ("to_apply", "calls"),
-                    "fusion": ("calls",),
-                    "async-start": ("calls",),
-                    "custom-call": ("called_computations",),
-                }[ins.opcode]
-                for k in keys:
+                self.walk_branches(ins, mult, per_iter, ctx, path, here, stack)
+            elif ins.opcode in self.CALLEES:
+                for k in self.CALLEES[ins.opcode]:
                     for c in computation_names(ins.attrs.get(k, "")):
                         self.walk(c, mult, per_iter, ctx, path, here, stack)
+
+    # the attributes naming the computations a call-like instruction runs once
+    CALLEES = {"call": ("to_apply", "calls"), "fusion": ("calls",), "async-start": ("calls",),
+               "custom-call": ("called_computations",)}
+
+    def walk_while(self, ins, mult, per_iter, ctx, path, here, stack):
+        """A ``while``'s body and condition, counted by its trip count (per iteration where unknown)."""
+        n = trip_count(ins.attrs)
+        if n is None:
+            label, m2, p2 = "while body (trip count unknown, per iteration)", mult, True
+            clabel, cm = "while condition (trip count unknown, per iteration)", mult
+        else:
+            label, m2, p2 = f"while body x{n}", mult * n, per_iter
+            clabel, cm = f"while condition x{n + 1}", mult * (n + 1)
+        for c in computation_names(ins.attrs.get("body", "")):
+            self.walk(c, m2, p2, ctx + (label,), path, here, stack)
+        for c in computation_names(ins.attrs.get("condition", "")):
+            self.walk(c, cm, p2, ctx + (clabel,), path, here, stack)
+
+    def walk_branches(self, ins, mult, per_iter, ctx, path, here, stack):
+        """Each branch of a ``conditional``, its path noting which branch of how many."""
+        if "branch_computations" in ins.attrs:
+            branches = computation_names(ins.attrs["branch_computations"])
+            labels = [str(i) for i in range(len(branches))]
+        else:
+            branches = computation_names(ins.attrs.get("true_computation", "")) + computation_names(
+                ins.attrs.get("false_computation", ""))
+            labels = ["0 (true)", "1 (false)"][: len(branches)]
+        for i, (c, lab) in enumerate(zip(branches, labels)):
+            self.walk(c, mult, per_iter, ctx + (f"conditional branch {lab} of {ins.name}",),
+                      path + ((here, i, len(branches)),), here, stack)
 
     def emit(self, ins, kind, is_start, comp, consumers, mult, per_iter, ctx, path):
         shape_text = ins.shape
@@ -996,6 +994,29 @@ _CALLEE_KEYS = ("body", "condition", "branch_computations", "true_computation", 
                 "to_apply", "called_computations")
 
 
+def ancestor_sets(preds: list[list[int]]) -> list[int]:
+    """Per node of a DAG given by its predecessors' indices, the bit set of every node that reaches it
+    (bit ``j`` set: node ``j`` is an ancestor), by an iterative depth-first walk."""
+    ancestors: list[int | None] = [None] * len(preds)
+    for root in range(len(preds)):
+        stack = [root]
+        while stack:
+            i = stack[-1]
+            if ancestors[i] is not None:
+                stack.pop()
+                continue
+            missing = [p for p in preds[i] if ancestors[p] is None]
+            if missing:
+                stack.extend(missing)
+                continue
+            bits = 0
+            for p in preds[i]:
+                bits |= (ancestors[p] or 0) | (1 << p)
+            ancestors[i] = bits
+            stack.pop()
+    return ancestors
+
+
 def unordered_collectives(compiled: Any) -> list[UnorderedCollectives]:
     """Every pair of collectives of ``compiled`` that may run in either order.
 
@@ -1055,23 +1076,7 @@ def unordered_collectives(compiled: Any) -> list[UnorderedCollectives]:
         index = {ins.name: i for i, ins in enumerate(comp.instrs)}
         preds = [[index[o] for o in ins.operands + computation_names(ins.attrs.get("control-predecessors", ""))
                   if o in index] for ins in comp.instrs]
-        ancestors: list[int | None] = [None] * len(comp.instrs)
-        for root in range(len(comp.instrs)):  # iterative DFS: a bit set of ancestors per instruction
-            stack = [root]
-            while stack:
-                i = stack[-1]
-                if ancestors[i] is not None:
-                    stack.pop()
-                    continue
-                missing = [p for p in preds[i] if ancestors[p] is None]
-                if missing:
-                    stack.extend(missing)
-                    continue
-                bits = 0
-                for p in preds[i]:
-                    bits |= (ancestors[p] or 0) | (1 << p)
-                ancestors[i] = bits
-                stack.pop()
+        ancestors = ancestor_sets(preds)
         sites = [i for i, ins in enumerate(comp.instrs) if is_site(ins)]
         for a_pos, a in enumerate(sites):
             for b in sites[a_pos + 1:]:

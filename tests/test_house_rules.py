@@ -91,3 +91,37 @@ def test_no_test_module_imports_another():
             found += [f"{os.path.relpath(path, ROOT)}:{node.lineno}: {n}" for n in names
                       if n.split(".")[0] == "tests" and len(n.split(".")) > 1 and n.split(".")[1].startswith("test_")]
     assert not found, "test modules imported by tests:\n" + "\n".join(sorted(set(found)))
+
+
+MAX_FUNCTION_LINES = 60  # of code: a function's lines after its docstring
+
+
+def long_functions(path, limit=MAX_FUNCTION_LINES):
+    """``(name, lines)`` of every function in ``path`` whose code (its lines after the docstring) exceeds
+    ``limit``."""
+    out = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = node.body
+        documented = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(
+            body[0].value.value, str)
+        first = body[1] if documented and len(body) > 1 else body[0]
+        lines = node.end_lineno - first.lineno + 1
+        if lines > limit:
+            out.append((node.name, lines))
+    return out
+
+
+def test_no_library_function_is_over_sixty_lines_of_code():
+    """Every function of ``loco_jax`` (the library and the training application) fits in 60 lines after its
+    docstring; a longer one is split into named parts."""
+    found = {os.path.relpath(p, ROOT): long_functions(p) for p in project_files() if "loco_jax" in p}
+    assert not {p: f for p, f in found.items() if f}, found
+
+
+def test_the_length_check_counts_code_not_docstrings(tmp_path):
+    doc = '    """' + "\n".join(["line"] * 80) + '"""\n'
+    path = tmp_path / "m.py"
+    path.write_text("def short():\n" + doc + "    return 1\n\n\ndef long():\n" + "    x = 1\n" * 61)
+    assert long_functions(str(path)) == [("long", 61)]

@@ -218,6 +218,27 @@ def _in_flight(trainer, diloco_step):
     return None
 
 
+def _check_elastic(manager, step, trainer, saved_mesh):
+    """Refuses, by name, a checkpoint an elastic restart cannot read: an FSDP run's, or one written before
+    replicas kept their own skip counts."""
+    m_old, d_old = saved_mesh["replica"], saved_mesh["data"]
+    fsdp = trainer.cfg.mesh.fsdp
+    if fsdp or saved_mesh.get("fsdp"):
+        raise ValueError(
+            f"this checkpoint was written on mesh (replica={m_old}, data={d_old}, fsdp={bool(saved_mesh.get('fsdp'))}) "
+            f"and this run has (replica={trainer.m}, data={trainer.d}, fsdp={fsdp}): an elastic restart "
+            "of an FSDP run (sharded state) is not supported. Resume it on the mesh it was written on "
+            f"(--set mesh.replicas={m_old} mesh.data={d_old} on {m_old * d_old} devices)."
+        )
+    if ".opt_state.skipped" in saved_leaves(manager, step, "global"):
+        raise ValueError(
+            f"the checkpoint at step {step} was written before replicas kept their own skip counts, on mesh "
+            f"(replica={m_old}, data={d_old}); an elastic restart needs today's layout. Resume it once on that mesh "
+            f"(--set mesh.replicas={m_old} mesh.data={d_old} on {m_old * d_old} devices) until its next checkpoint, "
+            "then restart on the new mesh."
+        )
+
+
 def restore_elastic(manager, step, trainer, saved_mesh, log):
     """Restores a checkpoint written on another (replica, data) mesh: an elastic restart.
 
@@ -239,22 +260,9 @@ def restore_elastic(manager, step, trainer, saved_mesh, log):
 
     m_old, d_old = saved_mesh["replica"], saved_mesh["data"]
     cfg = trainer.cfg
-    if cfg.mesh.fsdp or saved_mesh.get("fsdp"):
-        raise ValueError(
-            f"this checkpoint was written on mesh (replica={m_old}, data={d_old}, fsdp={bool(saved_mesh.get('fsdp'))}) "
-            f"and this run has (replica={trainer.m}, data={trainer.d}, fsdp={cfg.mesh.fsdp}): an elastic restart "
-            "of an FSDP run (sharded state) is not supported. Resume it on the mesh it was written on "
-            f"(--set mesh.replicas={m_old} mesh.data={d_old} on {m_old * d_old} devices)."
-        )
+    _check_elastic(manager, step, trainer, saved_mesh)
     like = trainer.abstract_state()
     parts = split_by_kind(like, trainer.specs)
-    if ".opt_state.skipped" in saved_leaves(manager, step, "global"):
-        raise ValueError(
-            f"the checkpoint at step {step} was written before replicas kept their own skip counts, on mesh "
-            f"(replica={m_old}, data={d_old}); an elastic restart needs today's layout. Resume it once on that mesh "
-            f"(--set mesh.replicas={m_old} mesh.data={d_old} on {m_old * d_old} devices) until its next checkpoint, "
-            "then restart on the new mesh."
-        )
     old_shape = lambda a: (a.shape[0] // trainer.m * m_old,) + tuple(a.shape[1:])
     args = {"meta": ocp.args.JsonRestore()}
     if parts["global"]:

@@ -26,6 +26,7 @@ its pieces (inputs, document pieces, the encoder, the progress line) exist only 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import json
@@ -422,6 +423,22 @@ def _move_into_place(tmp: Path, out: Path):
         os.replace(tmp, out)
 
 
+def _count_bytes(done, progress, phase, total_bytes, n):
+    """Adds ``n`` bytes read to ``done[0]`` and reports the phase's progress."""
+    done[0] += n
+    progress(phase, done[0], total_bytes)
+
+
+def _exact_piece_chars(tok, sample, files, text_field, piece_chars, log):
+    """``piece_chars``, or None (documents encoded whole) where this SentencePiece model does not encode a
+    document as the concatenation of its pieces (checked on the sample, or on the first pieces)."""
+    check = sample or [t for _, _, t in _take(iter_pieces(files, text_field=text_field, piece_chars=1 << 16), 8)]
+    if pieces_are_exact(tok, check):
+        return piece_chars
+    log("note: this SentencePiece model does not split at newlines; documents are encoded whole")
+    return None
+
+
 def prepare(
     inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *, tokenizer: str = "sentencepiece",
     vocab_size: int | None = None, sp_model: str | os.PathLike | None = None,
@@ -456,13 +473,8 @@ def prepare(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        done = [0]
-
-        def counter(phase):
-            def on_bytes(n):
-                done[0] += n
-                progress(phase, done[0], total_bytes)
-            return on_bytes
+        done = [0]  # bytes read in the current phase
+        counter = lambda phase: functools.partial(_count_bytes, done, progress, phase, total_bytes)
 
         tok, proto, sample = _tokenizer(kind, files, vocab_size=vocab_size, sp_model=sp_model,
                                         sample_chars=sample_chars, text_field=text_field, eval_every=eval_every,
@@ -474,11 +486,7 @@ def prepare(
         vocab = int(tok.vocab_size)
         dtype = token_dtype(vocab)
         if kind == "sentencepiece" and piece_chars is not None:
-            check = sample or [t for _, _, t in _take(iter_pieces(files, text_field=text_field, piece_chars=1 << 16),
-                                                      8)]
-            if not pieces_are_exact(tok, check):
-                log("note: this SentencePiece model does not split at newlines; documents are encoded whole")
-                piece_chars = None
+            piece_chars = _exact_piece_chars(tok, sample, files, text_field, piece_chars, log)
 
         t_encode = time.perf_counter()
         done[0] = 0
@@ -492,12 +500,8 @@ def prepare(
             raise ValueError(f"{_describe(files)} hold no text (every document is empty or held out).")
         tail = 0 if held else tail_tokens(n_train, eval_tail)
         seconds = time.perf_counter() - t_encode
-        source = {
-            "inputs": [str(f) for f in files], "input_bytes": total_bytes, "text_field": text_field,
-            "eval_every": eval_every, "eval_tail": eval_tail, "shard_tokens": shard_tokens,
-            "piece_chars": piece_chars, "sample_chars": sum(map(len, sample)) if sample else None,
-            "command": command, "seconds": round(seconds, 3),
-        }
+        source = _source(files, total_bytes, sample, seconds, command, text_field=text_field, eval_every=eval_every,
+                         eval_tail=eval_tail, shard_tokens=shard_tokens, piece_chars=piece_chars)
         manifest = build_manifest(dtype, tokenizer_entry(kind, vocab, proto), train, held, tail,
                                   {"train": docs["train"], "eval": docs["eval"]}, source)
         write_manifest(tmp, manifest)
@@ -511,6 +515,15 @@ def prepare(
         f"{kind} vocabulary {vocab}; {total / max(seconds, 1e-9):,.0f} tokens/s, "
         f"{time.perf_counter() - t_start:.1f} s in all")
     return manifest
+
+
+def _source(files, total_bytes, sample, seconds, command, **settings):
+    """The manifest's ``source`` entry: what was read, with which settings, by which command, how fast."""
+    return {"inputs": [str(f) for f in files], "input_bytes": total_bytes, "text_field": settings["text_field"],
+            "eval_every": settings["eval_every"], "eval_tail": settings["eval_tail"],
+            "shard_tokens": settings["shard_tokens"], "piece_chars": settings["piece_chars"],
+            "sample_chars": sum(map(len, sample)) if sample else None, "command": command,
+            "seconds": round(seconds, 3)}
 
 
 def _take(it, n):

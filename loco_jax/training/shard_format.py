@@ -88,6 +88,25 @@ def _require(cond: bool, where: Path, what: str, manifest: dict | None = None):
         raise ValueError(f"manifest {where} is invalid: {what}; {remake_hint(manifest, where.parent)}.")
 
 
+def _check_shard_entry(i, s, names, dtype, vocab, where, m) -> str:
+    """Checks ``shards[i]`` of manifest ``m`` (``names``: the files listed before it); returns its file name."""
+    _require(isinstance(s, dict), where, f"shards[{i}] is not an object", m)
+    name = s.get("file")
+    _require(isinstance(name, str) and name and Path(name).name == name and name not in (".", ".."), where,
+             f"shards[{i}].file is {name!r}, not a plain file name", m)
+    _require(name not in names, where, f"shard {name} is listed twice", m)
+    _require(s.get("split") in SPLITS, where, f"shard {name}: 'split' is {s.get('split')!r}, not one of {SPLITS}", m)
+    n = s.get("tokens")
+    _require(isinstance(n, int) and not isinstance(n, bool) and n >= 1, where,
+             f"shard {name}: 'tokens' is {n!r}, not a positive integer", m)
+    _require(s.get("dtype", dtype) == dtype, where, f"shard {name}: dtype {s.get('dtype')!r} is not {dtype!r}", m)
+    top = s.get("max_token")
+    if top is not None:
+        _require(isinstance(top, int) and 0 <= top < vocab, where,
+                 f"shard {name}: max_token {top!r} is not below the vocabulary size {vocab}", m)
+    return name
+
+
 def validate_manifest(manifest: dict, where: str | os.PathLike = MANIFEST) -> dict:
     """Checks the structure and the sums of a manifest; returns it. Raises ``ValueError`` naming the field."""
     where = Path(where)
@@ -114,22 +133,7 @@ def validate_manifest(manifest: dict, where: str | os.PathLike = MANIFEST) -> di
     _require(isinstance(shards, list) and shards, where, "'shards' is empty: the directory holds no shards", m)
     names = set()
     for i, s in enumerate(shards):
-        _require(isinstance(s, dict), where, f"shards[{i}] is not an object", m)
-        name = s.get("file")
-        _require(isinstance(name, str) and name and Path(name).name == name and name not in (".", ".."), where,
-                 f"shards[{i}].file is {name!r}, not a plain file name", m)
-        _require(name not in names, where, f"shard {name} is listed twice", m)
-        names.add(name)
-        _require(s.get("split") in SPLITS, where,
-                 f"shard {name}: 'split' is {s.get('split')!r}, not one of {SPLITS}", m)
-        n = s.get("tokens")
-        _require(isinstance(n, int) and not isinstance(n, bool) and n >= 1, where,
-                 f"shard {name}: 'tokens' is {n!r}, not a positive integer", m)
-        _require(s.get("dtype", dtype) == dtype, where, f"shard {name}: dtype {s.get('dtype')!r} is not {dtype!r}", m)
-        top = s.get("max_token")
-        if top is not None:
-            _require(isinstance(top, int) and 0 <= top < vocab, where,
-                     f"shard {name}: max_token {top!r} is not below the vocabulary size {vocab}", m)
+        names.add(_check_shard_entry(i, s, names, dtype, vocab, where, m))
     total = sum(s["tokens"] for s in shards)
     _require(m.get("total_tokens") == total, where,
              f"'total_tokens' is {m.get('total_tokens')!r} but the shards hold {total}", m)

@@ -8,7 +8,7 @@ Inputs: ``.txt`` files (one document each) and ``.jsonl`` files (one document pe
 SentencePiece BPE model trained on ``--sample-chars`` characters spread over the input (saved as
 ``DIR/tokenizer.model``), an existing model (``--sp-model``), or UTF-8 bytes (``--tokenizer byte``).
 Every ``--eval-every``-th document is held out for evaluation. The layout, the manifest and the
-guarantees are in ``loco_jax/training/shard_format.py``.
+guarantees are in ``loco_jax/training/data/shard_format.py``.
 """
 
 import argparse
@@ -18,9 +18,9 @@ import sys
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    from loco_jax.training import prepare
-    from loco_jax.training import shard_format
-    from loco_jax.training import shard_reader
+    from loco_jax.training.data import prepare
+    from loco_jax.training.data import shard_format
+    from loco_jax.training.data import shard_reader
 
     p = argparse.ArgumentParser(description="Tokenize text into token shards for train.py (--set data.path=DIR).")
     p.add_argument("--input", "-i", nargs="+", required=True, metavar="PATH",

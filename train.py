@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from loco_jax.training.mesh import HEARTBEAT_TIMEOUT
+from loco_jax.training.run.mesh import HEARTBEAT_TIMEOUT
 
 # Multi-process default (README, "Reliability"): a run that completes no sync step in 30 minutes, compiling
 # excluded, counts as hung (a pod's sync step takes seconds; a checkpoint of the 8B recipe, minutes).
@@ -83,7 +83,7 @@ def build_parser():
 
 def _check_sample_args(parser, args, workdir):
     """``--sample``'s options, and a checkpoint to sample from, checked before jax starts."""
-    from loco_jax.training import sample_command
+    from loco_jax.training.run import sample_command
 
     if args.plot:
         parser.error("--sample and --plot are separate commands; give one.")
@@ -107,7 +107,7 @@ def main(argv=None):
         parser.error(f"--step-timeout={args.step_timeout} must be >= 0 seconds (0: no watchdog).")
 
     # Everything that can be checked without devices is checked before jax starts.
-    from loco_jax.training import config as config_lib
+    from loco_jax.training.run import config as config_lib
 
     workdir = args.workdir or os.path.join("workdir", os.path.splitext(os.path.basename(args.config))[0])
     sample_options = {k: v for k, v in (("length", args.sample_length), ("temperature", args.temperature),
@@ -115,22 +115,22 @@ def main(argv=None):
     if not args.sample and (sample_options or args.sample_seed):
         parser.error("--sample-length, --temperature, --top-k, --sample-seed and --prompt go with --sample.")
     if args.sample:
-        from loco_jax.training import sample_command
+        from loco_jax.training.run import sample_command
 
         _check_sample_args(parser, args, workdir)
     else:
         cfg = config_lib.load(args.config, args.overrides)
     if args.plot:
-        from loco_jax.training.metrics import plot
+        from loco_jax.training.run.metrics import plot
 
         print(plot(workdir))
         return 0
 
-    from loco_jax.training import mesh
+    from loco_jax.training.run import mesh
 
     if args.local_devices is None and not os.environ.get("JAX_PLATFORMS", "").startswith(("cuda", "gpu", "tpu")):
         args.local_devices = 8 if args.num_processes in (None, 1) else None
-    from loco_jax.training import failure
+    from loco_jax.training.run import failure
 
     runtime_log = os.environ.get(failure.SUPERVISED_ENV)
     settings = mesh.distributed_settings(args.coordinator, args.num_processes, args.process_id)
@@ -152,7 +152,7 @@ def main(argv=None):
         sample_command.sample_workdir(workdir, args.overrides, seed=args.sample_seed, **sample_options)
         return 0
 
-    from loco_jax.training.loop import train_and_evaluate
+    from loco_jax.training.run.loop import train_and_evaluate
 
     summary = train_and_evaluate(cfg, workdir, step_timeout=step_timeout or None, verbose=args.verbose,
                                  profile_steps=args.profile_steps)

@@ -51,7 +51,7 @@ def layouts(quick=False):
 def check(sets, text_file, workdir):
     """``[(phase, pairs)]`` for one layout: its quiet step and its first exchange phase."""
     from loco_jax import hlo
-    from loco_jax.training.trainer import Trainer
+    from loco_jax.training.run.trainer import Trainer
     from tests.helpers import small_config
 
     t = Trainer(small_config(text_file, **sets), workdir, log=lambda *a, **k: None)

@@ -29,10 +29,10 @@ from benchmarks import common  # noqa: E402  (sets XLA_FLAGS before jax is impor
 
 import jax  # noqa: E402
 
-from loco_jax.training import config as config_lib  # noqa: E402
+from loco_jax.training.run import config as config_lib  # noqa: E402
 from loco_jax.training import model as model_lib  # noqa: E402
-from loco_jax.training.steps import TrainState  # noqa: E402
-from loco_jax.training.trainer import Trainer  # noqa: E402
+from loco_jax.training.run.steps import TrainState  # noqa: E402
+from loco_jax.training.run.trainer import Trainer  # noqa: E402
 
 HEADING = "## Configs: parameters, bytes per step and tokens/s (benchmarks/configs.py)"
 CONFIGS = ("ddp", "loco", "diloco", "streaming_diloco", "tiny", "diloco_1b")

@@ -34,10 +34,10 @@ from benchmarks import common  # noqa: E402  (sets XLA_FLAGS before jax is impor
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from loco_jax.training import config as config_lib  # noqa: E402
+from loco_jax.training.run import config as config_lib  # noqa: E402
 from loco_jax.training import model as model_lib  # noqa: E402
-from loco_jax.training.loop import train_and_evaluate  # noqa: E402
-from loco_jax.training.metrics import read_metrics  # noqa: E402
+from loco_jax.training.run.loop import train_and_evaluate  # noqa: E402
+from loco_jax.training.run.metrics import read_metrics  # noqa: E402
 
 HEADING = "## FSDP against replicated state (benchmarks/fsdp.py)"
 HLO_HEADING = "## Wire bytes of the trainer's step: replicated, FSDP, hierarchical (benchmarks/fsdp.py --hlo)"
@@ -54,7 +54,7 @@ def step_bytes(sets):
     import tempfile as _tempfile
 
     from loco_jax import hlo
-    from loco_jax.training.trainer import Trainer
+    from loco_jax.training.run.trainer import Trainer
 
     base = ["mesh.replicas=1", "diloco.enabled=false", "model.scan_layers=true", "sample_tokens=0"]
     cfg = config_lib.load(os.path.join(common.ROOT, "configs", "tiny.py"), base + sets)

@@ -307,7 +307,7 @@ def exchange_overlap(text, replicas: int, devices: int, micro_batches: int = 1) 
 
 def analyze(text: str, replicas: int, devices: int, memory=None, micro_batches: int = 1) -> Schedule:
     """The schedule of one compiled program's HLO text on ``devices`` devices, ``replicas`` of them on the
-    ``replica`` axis (devices numbered replica-major, as :func:`loco_jax.training.mesh.make_mesh` lays
+    ``replica`` axis (devices numbered replica-major, as :func:`loco_jax.training.run.mesh.make_mesh` lays
     them out)."""
     program = _Program(text, replicas, devices)
     collectives, loops = program.collectives()
@@ -347,8 +347,8 @@ def compile_recipe(config_path: str, overrides=(), topology: str = "1x1x8", targ
                    first: int | None = None) -> dict:
     """{phase: (compiled program, Schedule)} for every distinct step program of one period of a recipe
     (``first``: only the first that many, in step order from step H + 1: a send program, then the quiet one)."""
-    from loco_jax.training import config as config_lib
-    from loco_jax.training.trainer import Trainer
+    from loco_jax.training.run import config as config_lib
+    from loco_jax.training.run.trainer import Trainer
 
     cfg = config_lib.load(config_path, list(DEVICELESS) + list(overrides) + ["sample_tokens=0"])
     devices = gpu_devices(topology, target)

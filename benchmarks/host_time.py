@@ -38,10 +38,10 @@ from benchmarks import common  # noqa: E402  (sets XLA_FLAGS before jax is impor
 
 import jax  # noqa: E402
 
-from loco_jax.training import config as config_lib  # noqa: E402
-from loco_jax.training import shard_writer  # noqa: E402
-from loco_jax.training import loop  # noqa: E402
-from loco_jax.training.trainer import Trainer  # noqa: E402
+from loco_jax.training.run import config as config_lib  # noqa: E402
+from loco_jax.training.data import shard_writer  # noqa: E402
+from loco_jax.training.run import loop  # noqa: E402
+from loco_jax.training.run.trainer import Trainer  # noqa: E402
 
 HEADING = "## Host time against device time per step (benchmarks/host_time.py)"
 BEFORE = "9e6d369"  # the last commit with the loop that read the device every step

@@ -49,9 +49,9 @@ from benchmarks import common  # noqa: E402  (sets XLA_FLAGS before jax is impor
 import jax  # noqa: E402
 
 from loco_jax import collectives  # noqa: E402
-from loco_jax.training import config as config_lib  # noqa: E402
+from loco_jax.training.run import config as config_lib  # noqa: E402
 from loco_jax.training import model as model_lib  # noqa: E402
-from loco_jax.training.trainer import Trainer  # noqa: E402
+from loco_jax.training.run.trainer import Trainer  # noqa: E402
 
 GIB = 2**30
 

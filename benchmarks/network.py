@@ -121,16 +121,16 @@ def link_throughput(rate, megabytes=8):
 
 def worker(args):
     """One process of the pair: for each method, compile, warm up, then time steps at each rate."""
-    from loco_jax.training import mesh as mesh_lib
+    from loco_jax.training.run import mesh as mesh_lib
 
     mesh_lib.initialize(f"{ADDRS[0]}:{PORT}", 2, args.process_id, local_device_count=1)
     import jax
     from jax.experimental import multihost_utils
 
-    from loco_jax.training import config as config_lib
+    from loco_jax.training.run import config as config_lib
     from loco_jax.training import model as model_lib
-    from loco_jax.training.steps import TrainState
-    from loco_jax.training.trainer import Trainer
+    from loco_jax.training.run.steps import TrainState
+    from loco_jax.training.run.trainer import Trainer
 
     dev = VETH[args.process_id]
     results = {}

@@ -61,9 +61,9 @@ def scaling_law_gap(m, n_params):
 
 def _abstract_params():
     """The benchmark model's parameter shapes (nothing allocated)."""
-    from loco_jax.training import config as config_lib
+    from loco_jax.training.run import config as config_lib
     from loco_jax.training import model as model_lib
-    from loco_jax.training.steps import model_config
+    from loco_jax.training.run.steps import model_config
 
     cfg = config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE)
     return model_lib.abstract_params(model_config(cfg))
@@ -348,7 +348,7 @@ def _gap(name, ref):
 def cross_replica_bytes(name):
     """Bytes per replica per step over the slow links, from the cell's compiled programs (programs.json:
     each program's collectives whose groups span ``replica``), averaged over the run's schedule."""
-    from loco_jax.training.trainer import Trainer
+    from loco_jax.training.run.trainer import Trainer
 
     workdir = os.path.join(common.ROOT, quality.cell_dir(name))
     with open(quality.cell_file(name, "programs.json")) as f:
@@ -359,7 +359,7 @@ def cross_replica_bytes(name):
 
 
 def _config(name):
-    from loco_jax.training import config as config_lib
+    from loco_jax.training.run import config as config_lib
 
     return config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE + quality.OVERRIDES[name])
 
@@ -381,8 +381,8 @@ def local_evals(name):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from loco_jax.training import checkpoints
-    from loco_jax.training.trainer import Trainer
+    from loco_jax.training.run import checkpoints
+    from loco_jax.training.run.trainer import Trainer
 
     t = Trainer(cfg, workdir, log=lambda *a: None)
     t.init_state()  # the specs the restore needs
@@ -417,7 +417,7 @@ def data_parallel_bytes(m):
 
 
 def _epochs(steps):
-    from loco_jax.training import corpus as corpus_lib
+    from loco_jax.training.data import corpus as corpus_lib
 
     corpus = corpus_lib.shakespeare_corpus()
     return steps * 16 * 64 / corpus.train_chars, corpus.train_chars

@@ -125,7 +125,7 @@ def resolved_key(overrides) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _resolved_key(overrides) -> str:  # the reports ask for every cell's directory many times
-    from loco_jax.training import config as config_lib
+    from loco_jax.training.run import config as config_lib
 
     cfg = config_lib.resolve(config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), BASE + list(overrides)))
     d = config_lib.to_dict(cfg)
@@ -200,7 +200,7 @@ def cell_file(name, filename) -> str:
 
 
 def _metrics(name):
-    from loco_jax.training.metrics import read_metrics  # rows cut short by a kill are skipped
+    from loco_jax.training.run.metrics import read_metrics  # rows cut short by a kill are skipped
 
     rows = read_metrics(os.path.join(common.ROOT, cell_dir(name)))
     if _finishes(rows, name):
@@ -211,7 +211,7 @@ def _metrics(name):
 def archive(name) -> bool:
     """Copies a finished cell's record to :func:`archive_dir`: the metrics rows that carry an eval or fall
     on a multiple of 100 steps (plus the last), its config.json and programs.json. False if not finished."""
-    from loco_jax.training.metrics import read_metrics
+    from loco_jax.training.run.metrics import read_metrics
 
     workdir = os.path.join(common.ROOT, cell_dir(name))
     rows = read_metrics(workdir)

@@ -84,10 +84,10 @@ def quant_mse(fmt, bits):
 def capture_gradients():
     """{step: (8, n) per-device flat fp32 gradients} from the quality model trained at fp32."""
     from benchmarks import quality
-    from loco_jax.training import config as config_lib
+    from loco_jax.training.run import config as config_lib
     from loco_jax.training import model as model_lib
-    from loco_jax.training.steps import BATCH_SPEC, TrainState
-    from loco_jax.training.trainer import Trainer
+    from loco_jax.training.run.steps import BATCH_SPEC, TrainState
+    from loco_jax.training.run.trainer import Trainer
 
     cfg = config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE + ["seed=0", "data.seed=0"])
     tr = Trainer(cfg, "/tmp/loco_jax_quant_error", log=lambda *_: None)

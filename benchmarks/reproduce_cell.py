@@ -37,8 +37,8 @@ def main(argv=None):
     archived = glob.glob(os.path.join(quality.ARCHIVE, f"{args.cell}-*", "metrics.jsonl"))
     if not archived:
         raise SystemExit(f"{args.cell} has no archived record under {os.path.relpath(quality.ARCHIVE, common.ROOT)}")
-    from loco_jax.training import config as config_lib
-    from loco_jax.training.loop import train_and_evaluate
+    from loco_jax.training.run import config as config_lib
+    from loco_jax.training.run.loop import train_and_evaluate
     cfg = config_lib.load(os.path.join(common.ROOT, "configs", "ddp.py"), quality.BASE + quality.OVERRIDES[args.cell])
     old = {r["step"]: r for r in map(json.loads, open(archived[0]))}
     with tempfile.TemporaryDirectory() as workdir:

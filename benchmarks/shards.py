@@ -35,14 +35,14 @@ from benchmarks import common  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from loco_jax.training import shard_reader  # noqa: E402
-from loco_jax.training import batches  # noqa: E402
-from loco_jax.training import corpus  # noqa: E402
-from loco_jax.training import prepare  # noqa: E402
-from loco_jax.training import shard_format  # noqa: E402
-from loco_jax.training import shard_writer  # noqa: E402
-from loco_jax.training import tokenizers  # noqa: E402
-from loco_jax.training import tokens as tokens_lib  # noqa: E402
+from loco_jax.training.data import shard_reader  # noqa: E402
+from loco_jax.training.data import batches  # noqa: E402
+from loco_jax.training.data import corpus  # noqa: E402
+from loco_jax.training.data import prepare  # noqa: E402
+from loco_jax.training.data import shard_format  # noqa: E402
+from loco_jax.training.data import shard_writer  # noqa: E402
+from loco_jax.training.data import tokenizers  # noqa: E402
+from loco_jax.training.data import tokens as tokens_lib  # noqa: E402
 
 HEADING = "## Token shards: preparation and loading throughput (benchmarks/shards.py)"
 SEQ_LEN, GLOBAL_BATCH, STEP_S = 2048, 512, 0.1

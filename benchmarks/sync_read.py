@@ -25,8 +25,8 @@ def main(argv=None):
     sys.path.insert(0, os.path.abspath(args.repo))
     import jax
 
-    from loco_jax.training import loop
-    from loco_jax.training.trainer import Trainer
+    from loco_jax.training.run import loop
+    from loco_jax.training.run.trainer import Trainer
     from tests.helpers import small_config
 
     class Counting(dict):

@@ -12,7 +12,7 @@ Settings:
     mesh.replicas=1 diloco.enabled=false loco.bits=None optim.lr=0.002
 """
 
-from loco_jax.training.config import Config
+from loco_jax.training.run.config import Config
 
 
 def get_config() -> Config:

@@ -15,7 +15,7 @@ Settings:
     diloco.alpha=0.0 diloco.bits=None diloco.outer_lr=0.7 diloco.outer_momentum=0.8 optim.lr=0.003
 """
 
-from loco_jax.training.config import Config
+from loco_jax.training.run.config import Config
 
 
 def get_config() -> Config:

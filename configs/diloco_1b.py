@@ -29,7 +29,7 @@ It trains on your corpus, never on the Shakespeare demo text: without data.path 
         --coordinator HOST0:1234 --num-processes N --process-id I
 """
 
-from loco_jax.training.config import Config
+from loco_jax.training.run.config import Config
 
 
 def get_config() -> Config:

@@ -40,7 +40,7 @@ XLA_PYTHON_CLIENT_MEM_FRACTION (see the README).
         --coordinator HOST0:1234 --num-processes N --process-id I
 """
 
-from loco_jax.training.config import Config
+from loco_jax.training.run.config import Config
 
 REPLICAS = 4
 

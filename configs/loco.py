@@ -14,7 +14,7 @@ Settings:
     mesh.replicas=1 diloco.enabled=false loco.bits=4 loco.preset=measured optim.lr=0.003
 """
 
-from loco_jax.training.config import Config
+from loco_jax.training.run.config import Config
 
 
 def get_config() -> Config:

@@ -19,7 +19,7 @@ Settings:
     diloco.error_decay=0.95 diloco.average_over=senders optim.lr=0.005
 """
 
-from loco_jax.training.config import Config
+from loco_jax.training.run.config import Config
 
 
 def get_config() -> Config:

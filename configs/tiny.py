@@ -20,7 +20,7 @@ Settings:
     diloco.outer_momentum=0.9 optim.lr=0.003
 """
 
-from loco_jax.training.config import Config
+from loco_jax.training.run.config import Config
 
 
 def get_config() -> Config:

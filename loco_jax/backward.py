@@ -293,7 +293,7 @@ def _layers_below_top(depth):
 
 def _sum_into(acc, grads, first):
     """The micro-batches' fp32 sum with these gradients added (``first``: the sum starts at them), as
-    ``loco_jax.training.steps.loss_and_grad`` sums: ``g.astype(f32)``, then ``sum + g.astype(f32)``."""
+    ``loco_jax.training.run.steps.loss_and_grad`` sums: ``g.astype(f32)``, then ``sum + g.astype(f32)``."""
     if first:
         return [g.astype(jnp.float32) for g in grads]
     return [a + g.astype(jnp.float32) for a, g in zip(acc, grads)]

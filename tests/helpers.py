@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import diloco, loco
-from loco_jax.training import config as config_lib
-from loco_jax.training.trainer import Trainer
+from loco_jax.training.run import config as config_lib
+from loco_jax.training.run.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = ("replica", "data")  # every device's own slice on the (2, 4) mesh
@@ -95,7 +95,7 @@ def small_config(text_file, **overrides):
 def write_config_file(path, cfg):
     """A configs/NAME.py that rebuilds ``cfg`` (for subprocess runs of train.py)."""
     path.write_text(
-        "from loco_jax.training import config\n"
+        "from loco_jax.training.run import config\n"
         f"def get_config():\n    return config.from_dict({config_lib.to_dict(cfg)!r})\n"
     )
     return str(path)

@@ -20,11 +20,11 @@ import sys
 import jax
 import pytest
 
-from loco_jax.training.loop import train_and_evaluate
-from loco_jax.training.metrics import read_metrics
-from loco_jax.training import config as config_lib
-from loco_jax.training import loop, strategy
-from loco_jax.training.trainer import Trainer
+from loco_jax.training.run.loop import train_and_evaluate
+from loco_jax.training.run.metrics import read_metrics
+from loco_jax.training.run import config as config_lib
+from loco_jax.training.run import loop, strategy
+from loco_jax.training.run.trainer import Trainer
 from tests.helpers import HostReads, quiet, quiet_reads, small_config, sync_steps
 
 # Streaming DiLoCo: with overlap 1 in-process in tests/test_faults.py's clean run (exchange steps 7, 9 and 11
@@ -65,8 +65,8 @@ def test_counter_catches_a_read_on_a_quiet_step(text_file, tmp_path, monkeypatch
 
 
 def _main(config_path, workdir, coordinator, num_processes, process_id):
-    from loco_jax.training import config as config_lib
-    from loco_jax.training import mesh
+    from loco_jax.training.run import config as config_lib
+    from loco_jax.training.run import mesh
 
     mesh.initialize(coordinator, int(num_processes), int(process_id), local_device_count=4)
     patch = pytest.MonkeyPatch()

@@ -8,8 +8,8 @@ import optax
 import pytest
 
 from loco_jax import backward, hlo, loco
-from loco_jax.training import config as config_lib
-from loco_jax.training.trainer import Trainer
+from loco_jax.training.run import config as config_lib
+from loco_jax.training.run.trainer import Trainer
 from tests.helpers import quiet
 
 
@@ -151,8 +151,8 @@ def test_in_backward_trainer_with_diloco_and_fsdp_resumes_bit_identically(text_f
     """The trainer's FSDP step with Streaming DiLoCo around it (2 replicas x 4, 3 fragments) and LoCo in the
     backward pass (scanned, rematerialised layers, 2 micro-batches): it learns, a resume from step 7 ends
     bit-identical to the straight run, and changing loco.in_backward on resume is refused by name."""
-    from loco_jax.training.loop import train_and_evaluate
-    from loco_jax.training.metrics import read_metrics
+    from loco_jax.training.run.loop import train_and_evaluate
+    from loco_jax.training.run.metrics import read_metrics
     from tests.helpers import small_config
 
     # 10 steps: fragments 0 and 1 sync (steps 7 and 9), before and after the resume point

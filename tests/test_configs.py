@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from loco_jax.training import config as config_lib
+from loco_jax.training.run import config as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.py"))
@@ -63,7 +63,7 @@ def test_the_config_model_fields_are_the_models_own():
     import dataclasses
 
     from loco_jax.training import model as model_lib
-    from loco_jax.training import steps
+    from loco_jax.training.run import steps
 
     model_fields = {f.name: f.type for f in dataclasses.fields(model_lib.ModelConfig)}
     config_fields = {f.name: f.type for f in dataclasses.fields(config_lib.ModelFields)}

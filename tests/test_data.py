@@ -19,12 +19,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from loco_jax.training import corpus
-from loco_jax.training import batches as batches_lib
-from loco_jax.training import corpus as corpus_lib
-from loco_jax.training import tokenizers
-from loco_jax.training import tokens
-from loco_jax.training.corpus import file_sha256
+from loco_jax.training.data import corpus
+from loco_jax.training.data import batches as batches_lib
+from loco_jax.training.data import corpus as corpus_lib
+from loco_jax.training.data import tokenizers
+from loco_jax.training.data import tokens
+from loco_jax.training.data.corpus import file_sha256
 
 # --------------------------------------------------------------------------------------------------------------------
 # Tokenizers

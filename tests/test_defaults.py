@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from loco_jax.training import config as config_lib
+from loco_jax.training.run import config as config_lib
 from loco_jax import diloco, loco, quant
-from loco_jax.training.loop import train_and_evaluate
+from loco_jax.training.run.loop import train_and_evaluate
 from tests.helpers import quiet, small_config
 
 
@@ -97,7 +97,7 @@ def test_the_config_takes_its_defaults_from_the_library():
     import inspect
 
     from loco_jax import diloco, loco
-    from loco_jax.training import config as config_lib
+    from loco_jax.training.run import config as config_lib
 
     own = {("loco", "bits"), ("diloco", "sync_every")}
     for section, fields, fn in (("loco", config_lib.LocoFields(), loco.compress),

@@ -18,11 +18,11 @@ import optax
 import pytest
 
 from loco_jax import diloco, sparse
-from loco_jax.training.checkpoints import INFLIGHT, restore_elastic
-from loco_jax.training.loop import train_and_evaluate
-from loco_jax.training.metrics import read_metrics
-from loco_jax.training.trainer import Trainer
-from loco_jax.training import checkpoints
+from loco_jax.training.run.checkpoints import INFLIGHT, restore_elastic
+from loco_jax.training.run.loop import train_and_evaluate
+from loco_jax.training.run.metrics import read_metrics
+from loco_jax.training.run.trainer import Trainer
+from loco_jax.training.run import checkpoints
 from tests.helpers import ROOT, quiet, small_config, subprocess_env, write_config_file
 
 STOP = 6  # fragment 0 syncs after step 6 and is applied in step 7's program (tau = 1): nothing in flight at 6

@@ -1,4 +1,4 @@
-"""How a run goes down: a dead peer process, a step that never completes (loco_jax/training/failure.py).
+"""How a run goes down: a dead peer process, a step that never completes (loco_jax/training/run/failure.py).
 
 End to end through ``train.py`` in subprocesses (what a scheduler runs), plus the watchdog's clock and the
 error classification in-process. Run as a script, this file is a ``train.py`` whose step program stalls
@@ -15,14 +15,14 @@ import time
 
 import pytest
 
-from loco_jax.training import checkpoints, failure
+from loco_jax.training.run import checkpoints, failure
 from tests.helpers import free_port, small_config, subprocess_env, train_cmd, write_config_file
 
 STALL_AT = 7  # the step whose outputs the stalling train.py below never delivers (a quiet step: 7 % 2 != 0)
 
 
 def _rows(workdir):
-    from loco_jax.training.metrics import read_metrics
+    from loco_jax.training.run.metrics import read_metrics
 
     return read_metrics(workdir)
 
@@ -171,7 +171,7 @@ def _stalling_train(argv):
     import jax
     from jax.experimental import io_callback
 
-    from loco_jax.training import trainer as trainer_lib
+    from loco_jax.training.run import trainer as trainer_lib
 
     program, calls = trainer_lib.Trainer.program, iter(range(1, 10**6))
     sleep = jax.jit(lambda x: io_callback(lambda v: (time.sleep(3600), v)[1], jax.ShapeDtypeStruct(x.shape, x.dtype),

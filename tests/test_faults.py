@@ -31,11 +31,11 @@ from jax import lax
 
 from loco_jax.training import model as model_lib
 from loco_jax import collectives, diloco
-from loco_jax.training.loop import train_and_evaluate
-from loco_jax.training.metrics import read_metrics
-from loco_jax.training.steps import train_step
-from loco_jax.training.trainer import Dataset, Trainer
-from loco_jax.training import steps
+from loco_jax.training.run.loop import train_and_evaluate
+from loco_jax.training.run.metrics import read_metrics
+from loco_jax.training.run.steps import train_step
+from loco_jax.training.run.trainer import Dataset, Trainer
+from loco_jax.training.run import steps
 from tests.helpers import HostReads, quiet_reads, small_config, sync_steps
 
 BAD_STEP = 9  # Streaming DiLoCo (H 6, P 3, tau 1) sends fragment 1 at step 9: an exchange step

@@ -11,10 +11,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import fsdp, hlo, loco
-from loco_jax.training.loop import train_and_evaluate
-from loco_jax.training.metrics import read_metrics
-from loco_jax.training import checkpoints, model as model_lib, steps
-from loco_jax.training.trainer import Trainer
+from loco_jax.training.run.loop import train_and_evaluate
+from loco_jax.training.run.metrics import read_metrics
+from loco_jax.training import model as model_lib
+from loco_jax.training.run import checkpoints, steps
+from loco_jax.training.run.trainer import Trainer
 from tests.helpers import gaussian, put, quiet, rel_err, small_config
 
 D = 8
@@ -226,7 +227,7 @@ def test_fsdp_state_is_sharded_like_the_parameters(text_file):  # noqa: F811
 def test_samples_come_from_the_sharded_global_parameters(runs):
     """train.py --sample on an FSDP workdir: the sharded global parameters are gathered to one device; the
     greedy continuation equals the replicated run's (the two runs hold the same parameters to the bit)."""
-    from loco_jax.training import sample_command
+    from loco_jax.training.run import sample_command
 
     got = sample_command.sample_workdir(runs["fsdp"], log=quiet, prompts=["the "], length=8, temperature=0.0)
     want = sample_command.sample_workdir(runs["replicated"], log=quiet, prompts=["the "], length=8, temperature=0.0)
@@ -284,7 +285,7 @@ def test_the_8b_recipe_shards_its_state_to_an_eighth_plus_the_error_buffer():
     full-size 8-bit error buffer."""
     import os
 
-    from loco_jax.training import config as config_lib
+    from loco_jax.training.run import config as config_lib
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = config_lib.load(os.path.join(root, "configs", "diloco_8b.py"), ["mesh.replicas=1", "mesh.data=8",

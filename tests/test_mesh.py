@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from loco_jax.training import mesh as mesh_lib
+from loco_jax.training.run import mesh as mesh_lib
 
 
 def test_mesh_axes_and_host_major_layout():

@@ -5,9 +5,9 @@ import numpy as np
 import optax
 import pytest
 
-from loco_jax.training import config as config_lib
+from loco_jax.training.run import config as config_lib
 from loco_jax.training import model as model_lib
-from loco_jax.training import steps
+from loco_jax.training.run import steps
 from tests.helpers import small_config
 
 quiet = lambda *_: None
@@ -31,8 +31,8 @@ def test_muon_takes_the_blocks_matrices_and_leaves_embedding_head_and_norms_to_a
 
 def test_the_trainer_with_muon_learns_and_resumes_bit_identically(text_file, tmp_path):  # noqa: F811
     """Data parallel with Muon inside (the benchmarks measure it inside DiLoCo, dense and sparse)."""
-    from loco_jax.training.loop import train_and_evaluate
-    from loco_jax.training.metrics import read_metrics
+    from loco_jax.training.run.loop import train_and_evaluate
+    from loco_jax.training.run.metrics import read_metrics
 
     sets = {"optim.name": "muon", "diloco.enabled": False, "mesh.replicas": 1}
     straight = train_and_evaluate(small_config(text_file, **sets), str(tmp_path / "a"), log=quiet)

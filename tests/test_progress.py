@@ -2,7 +2,8 @@
 
 import io
 
-from loco_jax.training import metrics, progress
+from loco_jax.training import progress
+from loco_jax.training.run import metrics
 
 
 class _Stream(io.StringIO):

@@ -15,11 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from loco_jax.training import tokenizers
-from loco_jax.training import tokens as tokens_lib
+from loco_jax.training.data import tokenizers
+from loco_jax.training.data import tokens as tokens_lib
 from loco_jax.training import model as M
-from loco_jax.training import sample, sample_command
-from loco_jax.training.steps import model_config
+from loco_jax.training.run import sample, sample_command
+from loco_jax.training.run.steps import model_config
 from tests.helpers import ROOT, quiet, small_config
 
 # max_seq_len 8 so that short generations already slide (and the reference compiles few shapes);
@@ -201,8 +201,8 @@ def _env():
 
 
 def test_train_py_sample_prints_the_checkpoints_samples(text_file, tmp_path):  # noqa: F811
-    from loco_jax.training import loop
-    from loco_jax.training.trainer import Trainer
+    from loco_jax.training.run import loop
+    from loco_jax.training.run.trainer import Trainer
 
     # data parallel, exact mean: one step program, so the tiny run is cheap
     cfg = small_config(text_file, steps=2, checkpoint_every=2, eval_every=2,

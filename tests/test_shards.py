@@ -1,4 +1,4 @@
-"""Token shards (loco_jax.training.shard_format, shard_reader, shard_writer, prepare) and prepare_data.py, on tiny corpora: bytes or a 300-piece SentencePiece
+"""Token shards (loco_jax.training.data.shard_format, shard_reader, shard_writer, prepare) and prepare_data.py, on tiny corpora: bytes or a 300-piece SentencePiece
 model."""
 
 import gzip
@@ -11,19 +11,19 @@ import sys
 import numpy as np
 import pytest
 
-from loco_jax.training import config as config_lib
-from loco_jax.training import batches
-from loco_jax.training import corpus as corpus_lib
-from loco_jax.training import prepare
-from loco_jax.training import shard_format
-from loco_jax.training import shard_reader
-from loco_jax.training import shard_writer
-from loco_jax.training import tokenizers
-from loco_jax.training import tokens
-from loco_jax.training import dataset as dataset_lib
-from loco_jax.training.corpus import file_sha256
-from loco_jax.training.loop import train_and_evaluate
-from loco_jax.training.tokens import encode_works
+from loco_jax.training.run import config as config_lib
+from loco_jax.training.data import batches
+from loco_jax.training.data import corpus as corpus_lib
+from loco_jax.training.data import prepare
+from loco_jax.training.data import shard_format
+from loco_jax.training.data import shard_reader
+from loco_jax.training.data import shard_writer
+from loco_jax.training.data import tokenizers
+from loco_jax.training.data import tokens
+from loco_jax.training.run import dataset as dataset_lib
+from loco_jax.training.data.corpus import file_sha256
+from loco_jax.training.run.loop import train_and_evaluate
+from loco_jax.training.data.tokens import encode_works
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = ["thou", "art", "the", "king", "of", "Denmark", "lord", "sweet", "night", "good", "my", "and", "Ünïcödé"]

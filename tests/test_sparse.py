@@ -335,8 +335,8 @@ def test_the_trainer_with_a_sparse_exchange_learns_and_resumes_bit_identically(t
     """FSDP (each device compresses its own shard), overlap 2 (the mean waits in the state), SparseLoCo's
     outer rule: the trainer learns, records the resolved exchange, keeps fp32 accumulators, and a resume from
     step 7 ends bit-identical to the straight run."""
-    from loco_jax.training.loop import train_and_evaluate
-    from loco_jax.training.metrics import read_metrics
+    from loco_jax.training.run.loop import train_and_evaluate
+    from loco_jax.training.run.metrics import read_metrics
     from tests.helpers import small_config
 
     sets = {"mesh.fsdp": True, "diloco.overlap": 2, "diloco.num_fragments": 2, "diloco.outer_momentum": 0.0,

@@ -15,10 +15,10 @@ import pytest
 from jax._src.interpreters import pxla
 
 from loco_jax import hlo
-from loco_jax.training import loop
-from loco_jax.training.loop import train_and_evaluate
-from loco_jax.training.metrics import read_metrics
-from loco_jax.training.trainer import Trainer
+from loco_jax.training.run import loop
+from loco_jax.training.run.loop import train_and_evaluate
+from loco_jax.training.run.metrics import read_metrics
+from loco_jax.training.run.trainer import Trainer
 from tests.helpers import free_port, quiet, small_config, subprocess_env, train_cmd, write_config_file
 
 

@@ -14,12 +14,12 @@ import jax
 import numpy as np
 import pytest
 
-from loco_jax.training import config as config_lib
-from loco_jax.training.loop import train_and_evaluate
-from loco_jax.training.metrics import read_metrics
-from loco_jax.training.steps import learning_rate_schedule
-from loco_jax.training.trainer import Trainer
-from loco_jax.training import checkpoints, loop
+from loco_jax.training.run import config as config_lib
+from loco_jax.training.run.loop import train_and_evaluate
+from loco_jax.training.run.metrics import read_metrics
+from loco_jax.training.run.steps import learning_rate_schedule
+from loco_jax.training.run.trainer import Trainer
+from loco_jax.training.run import checkpoints, loop
 from tests.helpers import (ROOT, free_port, quiet, quiet_reads, small_config, subprocess_env, sync_steps, train_cmd,
                            write_config_file)
 
@@ -329,7 +329,7 @@ def test_outer_lr_decay_follows_the_inner_cosine_over_each_fragments_rounds(deca
     gradient, is ``outer_lr`` at a fragment's first round and ``outer_lr * min_lr_ratio`` at its last
     (``steps // sync_every``), a cosine between; constant when off."""
     import optax
-    from loco_jax.training import strategy
+    from loco_jax.training.run import strategy
 
     cfg = config_lib.Config(steps=120)
     cfg.diloco.enabled, cfg.diloco.sync_every, cfg.diloco.outer_lr, cfg.diloco.outer_momentum = True, 10, 2.0, 0.0

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from loco_jax.training import config as config_lib
-from loco_jax.training.loop import train_and_evaluate
-from loco_jax.training.trainer import Trainer
+from loco_jax.training.run import config as config_lib
+from loco_jax.training.run.loop import train_and_evaluate
+from loco_jax.training.run.trainer import Trainer
 from tests.helpers import quiet, small_config
 
 
@@ -120,7 +120,7 @@ def test_micro_batch_derives_the_accumulation_from_the_device_count(text_file, m
 
 
 def test_attention_auto_takes_cudnn_only_where_it_applies():
-    from loco_jax.training.steps import attention_impl
+    from loco_jax.training.run.steps import attention_impl
 
     gpu = lambda cc: type("Device", (), {"platform": "gpu", "compute_capability": cc})()
     assert attention_impl("auto", "bfloat16", 128, gpu("9.0")) == "cudnn"

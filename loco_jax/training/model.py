@@ -262,7 +262,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, layer_fn=None, layer_extra=None, stack_fn=None):
         """``layer_fn(layer_params, extra)`` (scanned layers only) maps each layer's pure parameter dict
         inside the scan before the layer runs; ``layer_extra`` is scanned beside the layers (FSDP gathers
-        each layer's shards there, ``loco_jax.training.steps``). ``stack_fn(layer, x, stack, consts)``
+        each layer's shards there, ``loco_jax.training.run.steps``). ``stack_fn(layer, x, stack, consts)``
         (scanned layers only) replaces the scan itself: ``layer(layer_params, h, *consts)`` is one block
         (closing over no traced value), ``stack`` the stacked pure parameter dict; it returns the stack's
         output (``loco_jax.backward.stack`` runs LoCo's exchange in its backward pass)."""

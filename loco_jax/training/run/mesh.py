@@ -83,7 +83,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     within about a minute where a collective does not raise first (NCCL waits instead) and leaves room
     for a network blip. When it reports a dead process, jax's runtime aborts every other process (a fatal
     error with a C++ stack trace; its Python callback for this is not usable in jaxlib 0.10):
-    :func:`loco_jax.training.failure.supervise` turns that into one message and exit status 75.
+    :func:`loco_jax.training.run.failure.supervise` turns that into one message and exit status 75.
     """
     require_int("heartbeat_timeout", heartbeat_timeout, "a whole number of seconds >= 1")
     settings = distributed_settings(coordinator_address, num_processes, process_id)

@@ -1,5 +1,5 @@
 """Reading token shards: a lazy concatenation of memory-mapped shard files, and the checks made when a
-directory is opened (:mod:`loco_jax.training.shard_format` describes the directory).
+directory is opened (:mod:`loco_jax.training.data.shard_format` describes the directory).
 
 
 Streams
@@ -8,7 +8,7 @@ The train stream is the ``"train"`` shards concatenated in manifest order; the e
 shards ``eval.shards`` names, or, with ``eval.tail_tokens = k``, the last ``k`` tokens of the train
 shards (which the train stream then leaves out). Shards are memory-mapped on first use (at most
 :data:`OPEN_SHARDS` at a time) and never read whole: :class:`ShardedTokens` is a 1-D, read-only view of
-the concatenation that :class:`~loco_jax.training.batches.Batcher` and ``eval_windows`` index by global
+the concatenation that :class:`~loco_jax.training.data.batches.Batcher` and ``eval_windows`` index by global
 position, so batches by global sample index, their determinism and the one-integer data position of
 a checkpoint are exactly those of a single token file holding the same stream (a test holds it to that).
 
@@ -32,9 +32,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from loco_jax.training.corpus import file_sha256
-from loco_jax.training.shard_format import MANIFEST, OPEN_SHARDS, SPLITS, DTYPES, remake_hint, read_manifest
-from loco_jax.training.tokenizers import ByteTokenizer, SentencePieceTokenizer
+from loco_jax.training.data.corpus import file_sha256
+from loco_jax.training.data.shard_format import MANIFEST, OPEN_SHARDS, SPLITS, DTYPES, remake_hint, read_manifest
+from loco_jax.training.data.tokenizers import ByteTokenizer, SentencePieceTokenizer
 
 
 WILLNEED = getattr(mmap, "MADV_WILLNEED", None)  # Linux, macOS; elsewhere reads are not announced
@@ -180,7 +180,7 @@ class ShardedTokens:
     def prefetch(self, starts, length: int):
         """Announces reads of ``[starts[r], starts[r] + length)`` (``MADV_WILLNEED``; returns at once): the
         kernel fetches every range from storage concurrently, instead of one page fault after another when the
-        rows are copied. :class:`~loco_jax.training.batches.Batcher` announces the next batch's rows this way,
+        rows are copied. :class:`~loco_jax.training.data.batches.Batcher` announces the next batch's rows this way,
         so their reads overlap the current step."""
         starts = np.asarray(starts, dtype=np.int64).reshape(-1)
         length = int(length)
@@ -250,7 +250,7 @@ class ShardSet:
     def text_tokenizer(self, sp_model: str | os.PathLike | None = None):
         """The tokenizer the shards were made with, to turn samples back into text, or None.
 
-        ``byte``: :class:`~loco_jax.training.tokenizers.ByteTokenizer`. ``sentencepiece``: ``sp_model`` if given,
+        ``byte``: :class:`~loco_jax.training.data.tokenizers.ByteTokenizer`. ``sentencepiece``: ``sp_model`` if given,
         else the ``tokenizer.model`` saved beside the shards (its SHA-256 was checked on opening); None when
         that file is gone or the optional ``sentencepiece`` package is missing, so training still runs and
         samples print token ids. Any other kind (shards made elsewhere): None.

@@ -9,7 +9,7 @@ files, recursively, sorted by path. Whitespace-only documents are skipped. Docum
 the non-empty documents of all inputs, in order) is held out for evaluation when ``(i + 1) % eval_every
 == 0``; when that holds out nothing (fewer than ``eval_every`` documents), the last ``eval_tail`` of the
 token stream is held out instead. Within a split, documents are joined by the tokens of
-``data.WORK_SEPARATOR`` (a blank line), as :func:`~loco_jax.training.data.load_data` joins works, so the
+``corpus.WORK_SEPARATOR`` (a blank line), as :func:`~loco_jax.training.data.tokens.load_data` joins works, so the
 shards of a corpus hold the tokens that tokenizing each document directly and joining them gives.
 
 A long document is encoded in pieces of about ``piece_chars`` characters, cut after a newline that is
@@ -38,14 +38,14 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from loco_jax.training.corpus import WORK_SEPARATOR, decode_text
-from loco_jax.training.shard_format import (
+from loco_jax.training.data.corpus import WORK_SEPARATOR, decode_text
+from loco_jax.training.data.shard_format import (
     DEFAULT_EVAL_EVERY, DEFAULT_EVAL_TAIL, DEFAULT_SAMPLE_CHARS, DEFAULT_SHARD_TOKENS, PIECE_CHARS, SPLITS,
     TOKENIZER_FILE, READ_BLOCK, token_dtype, write_manifest,
 )
 from loco_jax.training.progress import ProgressLine, hms
-from loco_jax.training.shard_writer import ShardWriter, build_manifest, tail_tokens, tokenizer_entry
-from loco_jax.training.tokenizers import ByteTokenizer, SentencePieceTokenizer
+from loco_jax.training.data.shard_writer import ShardWriter, build_manifest, tail_tokens, tokenizer_entry
+from loco_jax.training.data.tokenizers import ByteTokenizer, SentencePieceTokenizer
 
 _BATCH_CHARS = 1 << 21  # characters encoded per call (SentencePiece spreads a call over its threads)
 _TEXT_SUFFIXES = (".txt", ".txt.gz")
@@ -142,7 +142,7 @@ def _cut(text: str, piece_chars: int | None, final: bool) -> tuple[list[str], st
 
 def _text_pieces(path: Path, piece_chars: int | None, on_bytes) -> Iterator[str]:
     """A text file's pieces: read in blocks cut at newlines (UTF-8 safe, ``\\r\\n`` kept together), decoded as
-    :func:`loco_jax.training.data.load_data` decodes a file (UTF-8, else Latin-1; newlines normalized).
+    :func:`loco_jax.training.data.tokens.load_data` decodes a file (UTF-8, else Latin-1; newlines normalized).
     Nothing for a whitespace-only file."""
     buf, rest, seen = "", b"", False
     with _open(path, on_bytes) as f:

@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 
-from loco_jax.training.checkpoints import complete_checkpoint_steps
+from loco_jax.training.run.checkpoints import complete_checkpoint_steps
 
 EXIT_PEER_FAILED = 75  # EX_TEMPFAIL: a retry (the same command, once every process is back) resumes
 EXIT_STEP_TIMEOUT = 124  # timeout(1)'s status: no sync step completed within --step-timeout

@@ -1,7 +1,7 @@
 """The ``Trainer``: mesh, data, compiled programs and train state of one config.
 
-The loop that drives it is :mod:`loco_jax.training.loop`; checkpoints are
-:mod:`loco_jax.training.checkpoints`; metrics, plot and progress are :mod:`loco_jax.training.metrics`.
+The loop that drives it is :mod:`loco_jax.training.run.loop`; checkpoints are
+:mod:`loco_jax.training.run.checkpoints`; metrics, plot and progress are :mod:`loco_jax.training.run.metrics`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import fsdp, hlo, loco
-from loco_jax.training import config as config_lib
-from loco_jax.training import mesh as mesh_lib
+from loco_jax.training.run import config as config_lib
+from loco_jax.training.run import mesh as mesh_lib
 from loco_jax.training import model as model_lib
-from loco_jax.training import steps, strategy
-from loco_jax.training.dataset import Dataset
-from loco_jax.training.metrics import emit
-from loco_jax.training.steps import TrainState, learning_rate_schedule, make_optimizer, model_config
+from loco_jax.training.run import steps, strategy
+from loco_jax.training.run.dataset import Dataset
+from loco_jax.training.run.metrics import emit
+from loco_jax.training.run.steps import TrainState, learning_rate_schedule, make_optimizer, model_config
 
 
 def gpu_compiler_options(fsdp: bool, in_backward: bool = False) -> dict:
@@ -69,7 +69,7 @@ def _accum_steps(cfg, per_device, n_dev):
 
 
 class Trainer:
-    """Builds the mesh, data, programs and state of a config; :func:`loco_jax.training.loop.train_and_evaluate` trains with it."""
+    """Builds the mesh, data, programs and state of a config; :func:`loco_jax.training.run.loop.train_and_evaluate` trains with it."""
 
     def __init__(self, cfg: config_lib.Config, workdir: str, log=emit, devices=None):
         """``devices``: the mesh's devices (default: every visible one; compile-only GPU devices from

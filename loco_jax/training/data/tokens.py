@@ -4,7 +4,7 @@ User data (``data.path``)
 =========================
 * a ``.txt`` file, or any file that is not recognised below: UTF-8 text;
 * a directory holding ``manifest.json``: token shards written by ``prepare_data.py``
-  (:mod:`loco_jax.training.shard_reader`: memory-mapped, with their own eval split and the tokenizer they
+  (:mod:`loco_jax.training.data.shard_reader`: memory-mapped, with their own eval split and the tokenizer they
   were made with, checked against the config's);
 * any other directory: every ``*.txt`` file in it (not recursive), sorted by name;
 * ``*.npy``: a 1-D array of ``uint16`` or ``uint32`` token ids (memory-mapped);
@@ -22,12 +22,12 @@ from typing import Sequence
 
 import numpy as np
 
-from loco_jax.training.corpus import (
+from loco_jax.training.data.corpus import (
     EVAL_TAIL_FRACTION, SHAKESPEARE_EVAL_EVERY, WORK_SEPARATOR, Corpus, data_cache_root, shakespeare_corpus, text_corpus,
 )
-from loco_jax.training.shard_format import DTYPES, holds_shard_files, is_shard_dir
-from loco_jax.training.shard_reader import open_shards
-from loco_jax.training.tokenizers import ByteTokenizer, SentencePieceTokenizer, texts_digest, get_tokenizer
+from loco_jax.training.data.shard_format import DTYPES, holds_shard_files, is_shard_dir
+from loco_jax.training.data.shard_reader import open_shards
+from loco_jax.training.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, texts_digest, get_tokenizer
 
 
 
@@ -98,8 +98,8 @@ def load_tokens(path: str | os.PathLike, *, dtype=None, vocab_size: int | None =
 class TokenData:
     """Train and eval token streams (1-D), their vocabulary, and where they came from.
 
-    For a shard directory the streams are :class:`loco_jax.training.shard_reader.ShardedTokens` (memory-mapped
-    views that index like arrays) and ``shards`` is the opened :class:`~loco_jax.training.shard_reader.ShardSet`.
+    For a shard directory the streams are :class:`loco_jax.training.data.shard_reader.ShardedTokens` (memory-mapped
+    views that index like arrays) and ``shards`` is the opened :class:`~loco_jax.training.data.shard_reader.ShardSet`.
     """
 
     train_tokens: np.ndarray
@@ -136,7 +136,7 @@ def load_data(
     ``encode``/``vocab_size``); a SentencePiece model is loaded from ``sp_model`` (its vocabulary must be
     ``vocab_size``), else trained on the training works only and cached at ``tokenizer_cache`` (default
     ``<data_cache_root()>/tokenizers/spm-<digest>-<vocab>.model``).
-    A directory with a ``manifest.json`` is a set of token shards (:func:`loco_jax.training.shard_reader.open_shards`):
+    A directory with a ``manifest.json`` is a set of token shards (:func:`loco_jax.training.data.shard_reader.open_shards`):
     memory-mapped, split as its manifest says, and its tokenizer checked against ``tokenizer``,
     ``vocab_size`` and ``sp_model`` (the SHA-256 of the model file) where they are given.
     Token files need ``vocab_size`` for the range check (all ids must be ``< vocab_size``); without

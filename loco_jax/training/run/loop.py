@@ -1,14 +1,14 @@
 """``train_and_evaluate(config, workdir)``: the training loop of a whole experiment.
 
-- the mesh ``(replica, data)`` from ``config.mesh`` (:mod:`loco_jax.training.mesh`);
+- the mesh ``(replica, data)`` from ``config.mesh`` (:mod:`loco_jax.training.run.mesh`);
 - the inner optimizer: ``loco.compress`` on ``data`` (``config.loco.bits``; ``None`` is the exact fp32
   mean), gradient clipping, AdamW with linear warm-up and cosine decay; wrapped in ``diloco.diloco`` on
   ``replica`` when ``config.diloco.enabled`` (one compiled program per DiLoCo phase, picked in the
-  Python loop with ``tx.phase(step)``), else plain data parallel (:mod:`loco_jax.training.steps`);
+  Python loop with ``tx.phase(step)``), else plain data parallel (:mod:`loco_jax.training.run.steps`);
 - evaluation on the global parameters (DiLoCo) or the parameters (DP);
-- metrics as JSON lines, a progress line, a loss plot (:mod:`loco_jax.training.metrics`);
+- metrics as JSON lines, a progress line, a loss plot (:mod:`loco_jax.training.run.metrics`);
 - orbax checkpoints split into global, per-replica and per-device items, resumed bit-identically by
-  rerunning the same command in the same workdir (:mod:`loco_jax.training.checkpoints`).
+  rerunning the same command in the same workdir (:mod:`loco_jax.training.run.checkpoints`).
 
 Workdir contents: ``config.json`` (the resolved config), ``metrics.jsonl``, ``checkpoints/<step>/``,
 ``loss.png``, ``programs.json`` (bytes each compiled program moves, from ``hlo.collective_bytes``).
@@ -32,21 +32,21 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax.checks import require_int
-from loco_jax.training import config as config_lib
-from loco_jax.training import failure
-from loco_jax.training import mesh as mesh_lib
+from loco_jax.training.run import config as config_lib
+from loco_jax.training.run import failure
+from loco_jax.training.run import mesh as mesh_lib
 from loco_jax.training import model as model_lib
-from loco_jax.training.checkpoints import (
+from loco_jax.training.run.checkpoints import (
     check_resume_config, checkpoint_manager, complete_checkpoint_steps, restore_step, save, saved_config,
 )
-from loco_jax.training.sample import print_samples
-from loco_jax.training.metrics import (
+from loco_jax.training.run.sample import print_samples
+from loco_jax.training.run.metrics import (
     Progress, ScalarWriter, emit, metrics_path, plot, read_metrics, summary_table, truncate_metrics, write_atomic,
 )
-from loco_jax.training.steps import TrainState
+from loco_jax.training.run.steps import TrainState
 
 PROFILE_DIR = "profile"
-from loco_jax.training.trainer import Trainer
+from loco_jax.training.run.trainer import Trainer
 
 
 class _Stop:
@@ -67,9 +67,9 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=emit, stop_afte
 
     ``stop_after``: checkpoint after that step and return, as a pre-emption would (tests, schedulers).
     ``step_timeout``: seconds within which each sync step must complete, else the process reports where
-    it is stuck and exits (:class:`~loco_jax.training.failure.StepWatchdog`); None: no watchdog. In a
+    it is stuck and exits (:class:`~loco_jax.training.run.failure.StepWatchdog`); None: no watchdog. In a
     multi-process run an error saying another process is gone ends this one at once with one message
-    (:mod:`loco_jax.training.failure`; ``verbose`` prints the full error too). ``profile_steps``: a
+    (:mod:`loco_jax.training.run.failure`; ``verbose`` prints the full error too). ``profile_steps``: a
     ``jax.profiler`` trace of that many steps after this run's first (which compiles), in
     ``WORKDIR/profile`` (process 0).
     """
@@ -408,7 +408,7 @@ class StepWindow:
     """The per-step outputs (loss, gradient RMS, skip counts) since the last sync step, kept on device.
 
     ``read()`` brings every step read since the last sync step to the host with ``read_steps``
-    (:meth:`~loco_jax.training.trainer.Trainer.read_steps`: one program and one transfer, the mean of each
+    (:meth:`~loco_jax.training.run.trainer.Trainer.read_steps`: one program and one transfer, the mean of each
     step's per-replica loss and gradient RMS over the replicas, and every replica's skip counts); a log row
     averages every step since the previous log row (the logged loss is the interval's mean, not one
     step's). A checkpoint records the steps read but not yet logged (``meta["unlogged"]``), so a resumed

@@ -1,20 +1,20 @@
 """``python train.py --sample``: the samples block of a workdir's latest checkpoint, without training.
 
 It restores the checkpoint as the loop does (elastic restore included) on a Trainer built from the run's
-own ``config.json``, then prints :func:`loco_jax.training.sample.print_samples`' block. The generation
-itself is :mod:`loco_jax.training.sample`, which the loop also uses at the end of a run.
+own ``config.json``, then prints :func:`loco_jax.training.run.sample.print_samples`' block. The generation
+itself is :mod:`loco_jax.training.run.sample`, which the loop also uses at the end of a run.
 """
 
 from __future__ import annotations
 
 import os
 
-from loco_jax.training import config as config_lib
-from loco_jax.training.checkpoints import (
+from loco_jax.training.run import config as config_lib
+from loco_jax.training.run.checkpoints import (
     check_resume_config, checkpoint_manager, complete_checkpoint_steps, restore_step, saved_config,
 )
-from loco_jax.training.sample import print_samples
-from loco_jax.training.trainer import Trainer
+from loco_jax.training.run.sample import print_samples
+from loco_jax.training.run.trainer import Trainer
 
 __all__ = ["latest_checkpoint_step", "restore_latest", "sample_workdir"]
 
@@ -23,7 +23,7 @@ def latest_checkpoint_step(workdir: str) -> int:
     """The newest finished checkpoint step on disk (``checkpoints/<int>/``), read without orbax or jax
     devices, so ``train.py --sample`` can fail early; raises ``FileNotFoundError`` naming what is missing.
 
-    A folder named by an int is a finished one (:func:`~loco_jax.training.checkpoints.complete_checkpoint_steps`);
+    A folder named by an int is a finished one (:func:`~loco_jax.training.run.checkpoints.complete_checkpoint_steps`);
     :func:`restore_latest` asks orbax again.
     """
     folder = os.path.join(workdir, "checkpoints")
@@ -59,7 +59,7 @@ def sample_workdir(workdir: str, overrides=(), log=print, **kwargs) -> list[str]
 
     The config is the run's own ``config.json``; ``overrides`` (``--set``) may change what does not
     touch the trained state (the mesh, for instance) and are refused otherwise, as on resume.
-    ``kwargs`` go to :func:`~loco_jax.training.sample.print_samples` (``length``, ``temperature``, ``top_k``, ``seed``, ``prompts``,
+    ``kwargs`` go to :func:`~loco_jax.training.run.sample.print_samples` (``length``, ``temperature``, ``top_k``, ``seed``, ``prompts``,
     ``num``). Call it on every process of a multi-process run.
     """
     latest_checkpoint_step(workdir)

@@ -10,7 +10,7 @@
 
 
 ``python train.py --sample`` (restore a workdir's latest checkpoint and print that block, without
-training) is :mod:`loco_jax.training.sample_command`, which builds a Trainer; this module does not.
+training) is :mod:`loco_jax.training.run.sample_command`, which builds a Trainer; this module does not.
 
 Generation runs on **one device** with a copy of the global parameters: the trainer's are
 replicated over the whole mesh (``P()``), so each leaf's copy on this process's first device is
@@ -84,7 +84,7 @@ def _line_prompts(text: str, num: int) -> list[str]:
 
 
 def default_prompts(data, num: int = DEFAULT_NUM) -> list:
-    """``num`` short prompts from a run's data (a :class:`~loco_jax.training.tokens.TokenData` or None).
+    """``num`` short prompts from a run's data (a :class:`~loco_jax.training.data.tokens.TokenData` or None).
 
     Text data: the first words of ``num`` lines spread over the eval text (the training text when no
     eval text was held out), so the model continues text like the text it was judged on. Token files and
@@ -171,7 +171,7 @@ def _model_and_window(cfg):
     """(ModelConfig, context window) from a training ``Config`` (window: its ``seq_len``) or a ModelConfig."""
     if isinstance(cfg, model_lib.ModelConfig):
         return cfg, cfg.max_seq_len
-    from loco_jax.training.steps import model_config
+    from loco_jax.training.run.steps import model_config
 
     mcfg = model_config(cfg)
     return mcfg, min(int(cfg.seq_len), mcfg.max_seq_len)

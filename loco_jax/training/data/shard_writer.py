@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loco_jax.training.corpus import WORK_SEPARATOR
-from loco_jax.training.shard_format import (
+from loco_jax.training.data.corpus import WORK_SEPARATOR
+from loco_jax.training.data.shard_format import (
     DEFAULT_EVAL_TAIL, DEFAULT_SHARD_TOKENS, FORMAT, SPLITS, TOKENIZER_FILE, VERSION, DTYPES, SUFFIXES,
     sha256_bytes, token_dtype, write_manifest,
 )

@@ -31,7 +31,7 @@ def _model_fields():
     """The config's model section: :class:`loco_jax.training.shapes.ModelConfig`'s own fields (names, types,
     defaults but :data:`MODEL_DEFAULTS`), so the model is described once, with ``attention`` (the user's choice,
     "auto" | "xla" | "cudnn") in place of ``attention_impl`` (what the trainer resolves it to for the device:
-    :func:`loco_jax.training.steps.attention_impl`)."""
+    :func:`loco_jax.training.run.steps.attention_impl`)."""
     hints = typing.get_type_hints(shapes.ModelConfig)
     fields = [(f.name, hints[f.name], dataclasses.field(default=MODEL_DEFAULTS.get(f.name, f.default)))
               for f in dataclasses.fields(shapes.ModelConfig) if f.name != "attention_impl"]
@@ -49,7 +49,7 @@ ModelFields = _model_fields()
 
 def model_fields(cfg) -> dict:
     """``cfg.model`` as :class:`loco_jax.training.shapes.ModelConfig`'s arguments, but ``attention_impl``
-    (which depends on the device: :func:`loco_jax.training.steps.model_config`)."""
+    (which depends on the device: :func:`loco_jax.training.run.steps.model_config`)."""
     fields = dataclasses.asdict(cfg.model)
     del fields["attention"]
     return fields
@@ -75,7 +75,7 @@ class MeshFields:
 
 @dataclasses.dataclass
 class DataFields:
-    """Where the tokens come from (``loco_jax.training.tokens``, ``loco_jax.training.shard_reader``).
+    """Where the tokens come from (``loco_jax.training.data.tokens``, ``loco_jax.training.data.shard_reader``).
 
     ``path``: None (the Shakespeare demo corpus), a text file or directory of ``.txt`` files, a token file
     (``.npy``, ``.u16.bin``, ``.u32.bin``), or a shard directory written by ``prepare_data.py``, whose
@@ -217,7 +217,7 @@ class Config:
 
 
 # Fields whose change on resume would silently change the run: refused. The mesh may change: that is
-# an elastic restart (see loco_jax.training.checkpoints.restore_elastic).
+# an elastic restart (see loco_jax.training.run.checkpoints.restore_elastic).
 FROZEN_ON_RESUME = ("model", "optim", "loco", "diloco", "seed", "batch_size", "seq_len", "data")
 # how the step computes, not what it trains: free to change on resume (an attention kernel)
 CHANGEABLE_ON_RESUME = ("model.attention",)
@@ -359,10 +359,10 @@ def load(path: str, assignments=()) -> Config:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
-        raise ValueError(f"config file {path!r} must define get_config() returning a loco_jax.training.config.Config.")
+        raise ValueError(f"config file {path!r} must define get_config() returning a loco_jax.training.run.config.Config.")
     cfg = module.get_config()
     if not isinstance(cfg, Config):
-        raise ValueError(f"get_config() in {path!r} returned {type(cfg).__name__}, not a loco_jax.training.config.Config.")
+        raise ValueError(f"get_config() in {path!r} returned {type(cfg).__name__}, not a loco_jax.training.run.config.Config.")
     cfg = override(cfg, assignments)
     validate(cfg)
     return cfg

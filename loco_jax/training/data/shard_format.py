@@ -1,7 +1,7 @@
 """The token shard format: a directory of memory-mapped token files described by a small JSON manifest.
 
 ``prepare_data.py`` (:func:`prepare`) tokenizes text into such a directory once; ``data.path`` pointing
-at it trains on it (:func:`open_shards`, through :func:`loco_jax.training.tokens.load_data`)::
+at it trains on it (:func:`open_shards`, through :func:`loco_jax.training.data.tokens.load_data`)::
 
     manifest.json           what follows, and how it was made
     train-00000.u16.bin     raw little-endian token ids: *.u16.bin when the vocabulary fits 16 bits,
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loco_jax.training.corpus import EVAL_TAIL_FRACTION
+from loco_jax.training.data.corpus import EVAL_TAIL_FRACTION
 
 FORMAT = "loco-jax-token-shards"
 VERSION = 1

@@ -454,8 +454,8 @@ def main(argv=None):
         "",
         "### Interpretation",
         "",
-        f"Payloads cross the wire as `uint8` and the HLO payload bytes match the ring formula for every LoCo "
-        f"variant" + (" except the ones flagged above" if mismatches else "")
+        "Payloads cross the wire as `uint8` and the HLO payload bytes match the ring formula for every LoCo "
+        "variant" + (" except the ones flagged above" if mismatches else "")
         + f"; each value costs b + 32/256 bits (the fp32 block scale), so 4-bit two-stage is {ts4:.3f} of fp32 "
         f"rather than 0.125, and 1-bit {by_name['loco 1-bit two_stage']['ratio']:.3f} rather than 0.031. "
         f"The all-gather form sends every device's whole payload to every other device, (M-1) N values instead "

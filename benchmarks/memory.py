@@ -64,7 +64,7 @@ def recipe(path, devices, fsdp, overrides=()):
     if per_device < 1 or cfg.batch_size % (replicas * devices):
         raise ValueError(f"batch_size={cfg.batch_size} over {replicas} replicas of {devices} devices is not a whole "
                          "number of sequences per device; pass --devices (the devices of one replica).")
-    cfg = config_lib.override(cfg, [f"mesh.replicas=1", f"mesh.data={devices}", f"mesh.fsdp={fsdp}",
+    cfg = config_lib.override(cfg, ["mesh.replicas=1", f"mesh.data={devices}", f"mesh.fsdp={fsdp}",
                                     f"batch_size={per_device * devices}"])
     return cfg, per_device
 

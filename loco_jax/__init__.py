@@ -4,6 +4,8 @@ The library, which depends on jax, optax and numpy only:
 
 - :mod:`~loco_jax.quant`: block quantizers, Hadamard rotation, ``uint8`` packing;
 - :mod:`~loco_jax.collectives`: quantized all-reduce, reduce-scatter and all-gather under ``shard_map``;
+- :mod:`~loco_jax.exchange`: the one idea as a value, compress, exchange, decode, keep the error:
+  ``Exact``, ``Dense``, ``Sparse`` and the error step written once, which LoCo and DiLoCo are built from;
 - :mod:`~loco_jax.loco`: ``loco.compress``, LoCo's error-compensated optax transformation;
 - :mod:`~loco_jax.backward`: LoCo's exchange inside the backward pass of a scanned stack;
 - :mod:`~loco_jax.diloco`: DiLoCo and Streaming DiLoCo, an outer optimizer over the ``replica`` axis;
@@ -19,8 +21,9 @@ The training application (config, mesh, data, model, trainer) is :mod:`loco_jax.
 library imports nothing from it.
 """
 
-from loco_jax import backward, checks, collectives, diloco, fragments, fsdp, hlo, loco, nonfinite, quant, sparse, specs
+from loco_jax import (backward, checks, collectives, diloco, exchange, fragments, fsdp, hlo, loco, nonfinite, quant,
+                      sparse, specs)
 
-__all__ = ["backward", "checks", "collectives", "diloco", "fragments", "fsdp", "hlo", "loco", "nonfinite", "quant",
-           "sparse", "specs"]
+__all__ = ["backward", "checks", "collectives", "diloco", "exchange", "fragments", "fsdp", "hlo", "loco", "nonfinite",
+           "quant", "sparse", "specs"]
 __version__ = "0.1.0"

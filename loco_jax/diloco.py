@@ -473,6 +473,7 @@ def _resolve_exchange(bits, preset, format, compensate, rotate, mode, error_deca
     None and "auto" settings resolved; refuses what a sparse exchange cannot be, naming the setting."""
     if error_bits == "auto":
         error_bits = 8 if density is None else None
+    resolved = settings(bits, preset, density, format=format, compensate=compensate, rotate=rotate)
     if density is None:
         if error_decay is not None:
             raise ValueError(f"error_decay={error_decay} is the sparse accumulator's decay; set density, or use "
@@ -480,7 +481,6 @@ def _resolve_exchange(bits, preset, format, compensate, rotate, mode, error_deca
         if format in sparse_lib.SPARSE_FORMAT_BITS:
             raise ValueError(f"format={format!r} quantizes the kept values of a sparse exchange; set density, or "
                              f"choose one of {quant.FORMATS} for the dense one.")
-        resolved = settings(bits, preset, format=format, compensate=compensate, rotate=rotate)
         return None, resolved["format"], resolved["compensate"], resolved["rotate"], None, error_bits
     if error_decay is not None and (isinstance(error_decay, bool) or not isinstance(error_decay, (int, float))
                                     or not 0.0 < error_decay <= 1.0):
@@ -497,13 +497,44 @@ def _resolve_exchange(bits, preset, format, compensate, rotate, mode, error_deca
     if compensate is False:
         raise ValueError(f"density={density} with compensate=False: without its error feedback the sparse "
                          "exchange would drop what it does not send; leave compensate at None or True.")
-    format = settings(bits, density=density, format=format)["format"]
+    format = resolved["format"]
     cfg = sparse_lib.sparse_config(density, chunk=chunk, bits=bits, format=format, index_bits=index_bits)
     return cfg, format, True, False, 1.0 if error_decay is None else float(error_decay), error_bits
 
 
-def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, beta, error_bits, block_size,
-              rotate=False):
+def _exchange_codec(bits, preset, format, compensate, rotate, mode, block_size, error_beta, error_bits, seed, density,
+                    chunk, index_bits, error_decay, average_over, chunks):
+    """The exchange value (:mod:`loco_jax.exchange`) of ``diloco``'s codec arguments, the preset's per-bit
+    defaults filled in; every check of them on the way, each refusal naming the setting."""
+    _sparse_choice("average_over", average_over, AVERAGE_OVER, density,
+                   "the sparse mean's divisor (M replicas, or the replicas that sent each entry)",
+                   "sets a sparse mean's divisor; a dense exchange sends every entry from every replica, so its "
+                   "mean divides by M")
+    _sparse_choice("chunks", chunks, CHUNKS, density, "the flat fragment's chunks, or tiles and pieces that follow "
+                   "its leaves", "cuts a sparse exchange's chunks; a dense exchange has none")
+    if chunks == "leaves" and math.isqrt(chunk) ** 2 != chunk:
+        raise ValueError(f"chunks='leaves' cuts tiles of sqrt(chunk) per side; chunk={chunk} is not a square "
+                         f"(e.g. 4096 = 64 x 64, or 1024).")
+    sparse_cfg, format, compensate, rotate, error_decay, error_bits = _resolve_exchange(
+        bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk, index_bits)
+    if format in sparse_lib.SPARSE_FORMAT_BITS:  # the sparse payload's own (checked there); the error blocks' int
+        format = "int"
+    quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=error_beta, beta_name="error_beta",
+                               rotate=rotate)
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}.")
+    if rotate and bits is None:
+        raise ValueError("rotate=True rotates a quantized exchange, but bits=None exchanges exact fp32; set bits.")
+    if compensate and bits is None:
+        raise ValueError("compensate=True compensates quantization error, but bits=None exchanges exact fp32; set bits.")
+    if sparse_cfg is not None:
+        return exchange_lib.Sparse(sparse_cfg, error_decay, error_bits, block_size, average_over, chunks)
+    if bits is None:
+        return exchange_lib.Exact(block_size)
+    return exchange_lib.Dense(bits, format, rotate, block_size, compensate, error_beta, error_bits, seed)
+
+
+def _validate(sync_every, num_fragments, overlap, alpha):
     require_int("sync_every", sync_every)
     require_int("num_fragments", num_fragments)
     if num_fragments > sync_every:
@@ -519,10 +550,6 @@ def _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, bet
         )
     if not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha={alpha!r} must lie in [0, 1] (0 drops local steps taken meanwhile, 1 never merges).")
-    quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=beta, beta_name="error_beta",
-                               rotate=rotate)
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}.")
 
 
 def _sparse_choice(name, value, choices, density, meaning, why_not_dense):
@@ -533,12 +560,12 @@ def _sparse_choice(name, value, choices, density, meaning, why_not_dense):
         raise ValueError(f"{name}={value!r} {why_not_dense}: set density, or {name}={choices[0]!r}.")
 
 
-def _validate_keep_unsent(keep_unsent, density, alpha, overlap):
+def _validate_keep_unsent(keep_unsent, codec, alpha, overlap):
     if not isinstance(keep_unsent, bool):
         raise ValueError(f"keep_unsent={keep_unsent!r} must be True or False.")
     if not keep_unsent:
         return
-    if density is None:
+    if not isinstance(codec, exchange_lib.Sparse):
         raise ValueError("keep_unsent=True keeps the sparse exchange's unsent accumulator in the local parameters; "
                          "set density (the dense exchange sends every entry).")
     if alpha != 0:
@@ -884,34 +911,12 @@ def diloco(
             c = codec.code
             density, chunk, format, index_bits = c.k / c.chunk, c.chunk, c.format, c.index_bits
             error_decay, error_bits, average_over, chunks = codec.decay, codec.error_bits, codec.average_over, codec.chunks
-    _sparse_choice("average_over", average_over, AVERAGE_OVER, density,
-                   "the sparse mean's divisor (M replicas, or the replicas that sent each entry)",
-                   "sets a sparse mean's divisor; a dense exchange sends every entry from every replica, so its "
-                   "mean divides by M")
-    _sparse_choice("chunks", chunks, CHUNKS, density, "the flat fragment's chunks, or tiles and pieces that follow "
-                   "its leaves", "cuts a sparse exchange's chunks; a dense exchange has none")
-    if chunks == "leaves" and math.isqrt(chunk) ** 2 != chunk:
-        raise ValueError(f"chunks='leaves' cuts tiles of sqrt(chunk) per side; chunk={chunk} is not a square "
-                         f"(e.g. 4096 = 64 x 64, or 1024).")
-    sparse_cfg, format, compensate, rotate, error_decay, error_bits = _resolve_exchange(
-        bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk, index_bits)
-    if format in sparse_lib.SPARSE_FORMAT_BITS:  # the sparse payload's own (checked there); the dense parts' int
-        format = "int"
-    _validate(sync_every, num_fragments, overlap, alpha, bits, format, mode, error_beta, error_bits, block_size,
-              rotate)
-    _validate_keep_unsent(keep_unsent, density, alpha, overlap)
-    if rotate and bits is None:
-        raise ValueError("rotate=True rotates a quantized exchange, but bits=None exchanges exact fp32; set bits.")
-    if compensate and bits is None:
-        raise ValueError("compensate=True compensates quantization error, but bits=None exchanges exact fp32; set bits.")
+    codec = _exchange_codec(bits, preset, format, compensate, rotate, mode, block_size, error_beta, error_bits, seed,
+                            density, chunk, index_bits, error_decay, average_over, chunks)
+    _validate(sync_every, num_fragments, overlap, alpha)
+    _validate_keep_unsent(keep_unsent, codec, alpha, overlap)
     if outer is None:
         outer = optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-    if sparse_cfg is not None:
-        codec = exchange_lib.Sparse(sparse_cfg, error_decay, error_bits, block_size, average_over, chunks)
-    elif bits is None:
-        codec = exchange_lib.Exact(block_size)
-    else:
-        codec = exchange_lib.Dense(bits, format, rotate, block_size, compensate, error_beta, error_bits, seed)
     ex = Exchange(axis_name, data_axis, codec, mode, keep_unsent)
     schedule = dict(sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
 

@@ -136,7 +136,11 @@ class Dense(NamedTuple):
     """Every value at ``bits`` bits (:mod:`loco_jax.quant`): ``format`` (``"int"`` absmax, ``"e3m0"``,
     ``"uniform"``, ``"lloyd"``), one scale per ``block_size`` values, in the randomized-Hadamard domain of
     ``seed`` when ``rotate``. With ``compensate`` the error is kept at ``error_bits`` as a moving average of
-    weight ``beta`` (:class:`ErrorFeedback`; ``beta = 0``: plain error feedback)."""
+    weight ``beta`` (:class:`ErrorFeedback`; ``beta = 0``: plain error feedback).
+
+    The defaults are LoCo's reference settings (the authors' code: int absmax, no rotation, beta 0.8).
+    ``loco.compress(bits=b)`` and ``diloco.diloco(bits=b)`` fill the settings left at None from their own
+    per-bit tables instead (``loco.MEASURED``, ``diloco.MEASURED``), and build this value from them."""
 
     bits: int = 4
     format: quant.Format = "int"

@@ -101,13 +101,15 @@ from loco_jax import collectives as coll
 from loco_jax import exchange as exchange_lib
 from loco_jax import quant, specs
 from loco_jax.checks import is_int, require_int
-# skip_nonfinite: part of this module's public API (``loco.skip_nonfinite(optax.chain(loco.compress(), ...))``)
-from loco_jax.nonfinite import INDEPENDENT, all_finite, decision_axes, select, skip_nonfinite  # noqa: F401
+from loco_jax import nonfinite
+from loco_jax.nonfinite import INDEPENDENT, all_finite, decision_axes, select
 
 Reduce = Literal["mean", "scatter"]
 NonFinite = Literal["skip", "propagate"]
 REDUCE_MODES = get_args(Reduce)
 NONFINITE_MODES = get_args(NonFinite)
+# part of this module's API: loco.skip_nonfinite(optax.chain(loco.compress(), optax.adamw(...)))
+skip_nonfinite = nonfinite.skip_nonfinite
 PRESETS = exchange_lib.PRESETS
 
 # LoCo's reference settings (the authors' code): absmax int payloads, beta 0.8, no rotation, no

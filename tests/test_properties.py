@@ -5,7 +5,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P

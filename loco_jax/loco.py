@@ -202,6 +202,7 @@ class Exchanger(NamedTuple):
     labels_of: Any
     error_bits: int | None
     axis_name: str | None
+    codec: Any = None  # the exchange value (loco_jax.exchange.Dense or Exact) the step runs
 
 
 def stored(slots) -> dict:
@@ -355,6 +356,15 @@ def exchanger(**kwargs) -> Exchanger:
     arguments = inspect.signature(compress).bind(**kwargs)  # refuses an unknown argument by name
     arguments.apply_defaults()  # compress's defaults: the one place they are written
     return _build(**arguments.arguments)
+
+
+def codec(bits=4, **settings):
+    """The exchange value (:mod:`loco_jax.exchange`) that ``compress(bits, **settings)`` runs, its per-bit
+    defaults filled in: what a setting left at None means, as one value. ``codec(4)`` is
+    ``Dense(bits=4, format='lloyd', rotate=True, compensate=False, beta=0.0, ...)`` (:data:`MEASURED`),
+    ``codec(4, preset="reference")`` LoCo's reference, ``codec(None)`` ``Exact()``. Pass it on, changed or
+    not: ``compress(codec(4)._replace(compensate=True))``."""
+    return exchanger(bits=bits, **settings).codec
 
 
 def bucket_labels(groups, treedef, count):
@@ -796,7 +806,7 @@ def _build(bits, *, beta, reset_every, error_bits, block_size, format, rotate, a
         transformation=optax.GradientTransformationExtraArgs(step.init, step.update), layout=step.layout,
         bucket=step.bucket, pipelined=step.pipelined(), send=step.send, exchange=step.exchange, receive=step.receive,
         step_inputs=step.step_inputs, slot_of=step.slot_of, labels_of=step.labels_of, error_bits=error_bits,
-        axis_name=axis_name,
+        axis_name=axis_name, codec=codec,
     )
 
 

@@ -116,3 +116,17 @@ def test_diloco_of_a_codec_value_holds_the_exchange_its_settings_build():
         ex(bits=exchange.Sparse.of(0.03), error_decay=0.9)
     with pytest.raises(ValueError, match="sparse exchange is diloco"):
         loco.compress(exchange.Sparse.of(0.03))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2, 1])
+def test_loco_codec_is_the_value_compress_runs_with_the_per_bit_defaults(bits):
+    """``loco.codec(b)`` states what ``compress(bits=b)`` runs: the per-bit defaults of ``loco.MEASURED`` (the
+    reference's under ``preset="reference"``), an argument given winning; ``codec(None)`` is the exact mean."""
+    want = loco.MEASURED[bits]
+    got = loco.codec(bits)
+    assert (got.bits, got.format, got.rotate, got.compensate, got.beta) == (
+        bits, want["format"], want["rotate"], want["compensate"], want["beta"])
+    ref = loco.codec(bits, preset="reference")
+    assert (ref.format, ref.rotate, ref.compensate, ref.beta) == ("int", False, True, 0.8)
+    assert loco.codec(bits, beta=0.3).beta == 0.3
+    assert loco.codec(None) == exchange.Exact()

@@ -80,13 +80,14 @@ class ErrorFeedback(NamedTuple):
 
         h = x + carry e,    e_new = Q_e( average e + (1 - average)(h - sent) )
 
-    ``carry = 1`` and ``average = beta`` is LoCo's (``beta = 0``: plain error feedback, Seide et al. 2014);
-    ``carry = decay`` and ``average = 0`` is the sparse accumulator's. ``Q_e`` keeps the error at ``bits``
-    with one scale per ``block_size`` values (:func:`loco_jax.quant.store`; None: fp32). ``never``: a traced
-    flag that is always false, for programs that must round alike (:func:`rounded_apart`).
+    ``carry = None`` (``e`` added whole, ``c = 1``) and ``average = beta`` is LoCo's (``beta = 0``: plain
+    error feedback, Seide et al. 2014); ``carry = decay`` (a number, 1 included: the product ``decay e`` is
+    rounded on its own before the sum) and ``average = 0`` is the sparse accumulator's. ``Q_e`` keeps the
+    error at ``bits`` with one scale per ``block_size`` values (:func:`loco_jax.quant.store`; None: fp32).
+    ``never``: a traced flag that is always false, for programs that must round alike (:func:`rounded_apart`).
     """
 
-    carry: float = 1.0
+    carry: float | None = None
     average: float = 0.0
     bits: int | None = 8
     block_size: int = quant.DEFAULT_BLOCK_SIZE
@@ -102,7 +103,7 @@ class ErrorFeedback(NamedTuple):
 
     def compensate(self, x, e, never=False):
         """``h = x + carry e``."""
-        return x + e if self.carry == 1.0 else rounded_apart(self.carry * e, never) + x
+        return x + e if self.carry is None else rounded_apart(self.carry * e, never) + x
 
     def update(self, e, h, sent, never=False):
         """The stored new error ``(values, scales)`` after ``h`` was sent as ``sent``."""
@@ -158,7 +159,7 @@ class Dense(NamedTuple):
 
     @property
     def feedback(self) -> ErrorFeedback | None:
-        return ErrorFeedback(1.0, self.beta, self.error_bits, self.block_size) if self.compensate else None
+        return ErrorFeedback(None, self.beta, self.error_bits, self.block_size) if self.compensate else None
 
     def rotate_in(self, rows, salt=0):
         """Into bucket or fragment ``salt``'s rotated domain (identity unless ``rotate``)."""
@@ -208,7 +209,9 @@ def require_defaults(factory, codec, **given):
     describe a codec stay at ``factory``'s defaults: the value carries them. Each one given is refused by name."""
     defaults = inspect.signature(factory).parameters
     for name, value in given.items():
-        if value != defaults[name].default:
+        default = defaults[name].default
+        if value != default:
             raise ValueError(f"{factory.__module__.split('.')[-1]}.{factory.__name__}({codec!r}, {name}={value!r}): "
-                             f"the exchange value carries its own {name}; set it there, or pass bits=<int> with "
-                             f"{name}.")
+                             f"the exchange value describes the codec, so {name} stays at its default "
+                             f"({default!r}); build the value with the setting you want, or pass bits as an int "
+                             f"with {name}={value!r}.")

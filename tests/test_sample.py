@@ -1,4 +1,4 @@
-"""Generation (``model.generate``) and the samples block (``training.sample``, ``train.py --sample``).
+"""Generation (``model.generate``) and the samples block (``training.run.sample``, ``train.py --sample``).
 
 Greedy generation is checked against a step-by-step NumPy argmax over ``model.apply`` logits of the
 exact context (no buffer, no padding), so the buffer, the per-row lengths and the sliding window are

@@ -326,8 +326,9 @@ def test_data_parallel_configs_train(text_file, tmp_path, bits):
 @pytest.mark.parametrize("decay", [False, True])
 def test_outer_lr_decay_follows_the_inner_cosine_over_each_fragments_rounds(decay):
     """``diloco.outer_lr_decay``: the outer step's size, read off plain outer SGD's updates of a unit outer
-    gradient, is ``outer_lr`` at a fragment's first round and ``outer_lr * min_lr_ratio`` at its last
-    (``steps // sync_every``), a cosine between; constant when off."""
+    gradient, is ``outer_lr`` at a fragment's first round (r = 0) and ``outer_lr * (m + (1 - m)(1 + cos(pi r /
+    R)) / 2)`` at round r, ``R = steps // sync_every``, reaching ``outer_lr * min_lr_ratio`` from r = R on;
+    constant when off."""
     import optax
     from loco_jax.training.run import strategy
 

@@ -165,8 +165,9 @@ class DilocoFields:
     preset: str = _diloco("preset")
     outer_lr: float = diloco_lib.OUTER_LR
     outer_momentum: float = diloco_lib.OUTER_MOMENTUM
-    # True: the outer learning rate follows the inner schedule's cosine over each fragment's rounds, from
-    # outer_lr to outer_lr * optim.min_lr_ratio at the last round (steps // sync_every); False: constant.
+    # True: the outer learning rate decays on a cosine over each fragment's rounds (no warm-up), from outer_lr
+    # at its first round toward outer_lr * optim.min_lr_ratio after its last (R = steps // sync_every rounds:
+    # round r steps with outer_lr * (m + (1 - m)(1 + cos(pi r / R)) / 2)); False: constant.
     outer_lr_decay: bool = False
     mode: str = _diloco("mode")
     block_size: int = _diloco("block_size")  # values per scale in the outer-gradient payload

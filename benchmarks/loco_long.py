@@ -37,10 +37,11 @@ VARIANTS = {
 }
 
 
-# exact-mean cells already run, with the same resolved config (parity.py's and sparse_parity.py's data
-# parallel at 3,000 steps): reused under their own names
-ALIASES = {**{("shakespeare", "fp32", s): f"par_dp_3000_s{s}" for s in (1, 2, 3)},
-           ("text2", "fp32", 1): "kjv_dp_3000_s1", ("text2", "fp32", 2): "kjv_dp_3000_s2"}  # parity.py's width group
+# exact-mean cells already run on today's init, with the same resolved config (sparse_parity.py's data parallel
+# references at 3,000 steps, refs41 and text41): reused under their own names. (par_dp_3000_s* and
+# kjv_dp_3000_s1 share their keys but ran before cf4d0aa changed the replicated init: not paired to the bit.)
+ALIASES = {**{("shakespeare", "fp32", s): f"sp41_ref_dp_s{s}" for s in (1, 2, 3)},
+           **{("text2", "fp32", s): f"kjv41_ref_dp_s{s}" for s in (1, 2)}}
 
 
 def cell_name(text, variant, seed):

@@ -202,7 +202,7 @@ class Exchanger(NamedTuple):
     labels_of: Any
     error_bits: int | None
     axis_name: str | None
-    codec: Any = None  # the exchange value (loco_jax.exchange.Dense or Exact) the step runs
+    codec: Any  # the exchange value (loco_jax.exchange.Dense or Exact) the step runs
 
 
 def stored(slots) -> dict:

@@ -43,9 +43,9 @@ from loco_jax.training.data.shard_format import (
     DEFAULT_EVAL_EVERY, DEFAULT_EVAL_TAIL, DEFAULT_SAMPLE_CHARS, DEFAULT_SHARD_TOKENS, PIECE_CHARS, SPLITS,
     TOKENIZER_FILE, READ_BLOCK, token_dtype, write_manifest,
 )
-from loco_jax.training.progress import ProgressLine, hms
 from loco_jax.training.data.shard_writer import ShardWriter, build_manifest, tail_tokens, tokenizer_entry
 from loco_jax.training.data.tokenizers import ByteTokenizer, SentencePieceTokenizer
+from loco_jax.training.progress import ProgressLine, hms
 
 _BATCH_CHARS = 1 << 21  # characters encoded per call (SentencePiece spreads a call over its threads)
 _TEXT_SUFFIXES = (".txt", ".txt.gz")

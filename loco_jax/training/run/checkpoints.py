@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from loco_jax.training.run import config as config_lib
 from loco_jax.training import model as model_lib
+from loco_jax.training.run import config as config_lib
 from loco_jax.training.run.steps import TrainState
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax
 
-from loco_jax.training.run import config as config_lib
 from loco_jax.training.data import batches
 from loco_jax.training.data import prepare
 from loco_jax.training.data import tokens
+from loco_jax.training.run import config as config_lib
 
 
 class Dataset:

@@ -32,17 +32,17 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from loco_jax.checks import require_int
+from loco_jax.training import model as model_lib
 from loco_jax.training.run import config as config_lib
 from loco_jax.training.run import failure
 from loco_jax.training.run import mesh as mesh_lib
-from loco_jax.training import model as model_lib
 from loco_jax.training.run.checkpoints import (
     check_resume_config, checkpoint_manager, complete_checkpoint_steps, restore_step, save, saved_config,
 )
-from loco_jax.training.run.sample import print_samples
 from loco_jax.training.run.metrics import (
     Progress, ScalarWriter, emit, metrics_path, plot, read_metrics, summary_table, truncate_metrics, write_atomic,
 )
+from loco_jax.training.run.sample import print_samples
 from loco_jax.training.run.steps import TrainState
 
 PROFILE_DIR = "profile"

@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import backward, fragments, fsdp, loco, nonfinite, specs
 from loco_jax import collectives as coll
-from loco_jax.training.run import config as config_lib
 from loco_jax.training import model as model_lib
+from loco_jax.training.run import config as config_lib
 from loco_jax.training.run import strategy
 
 BATCH_SPEC = P(("replica", "data"))  # the batch over a (replica, data) mesh; batch_spec(mesh) for any mesh

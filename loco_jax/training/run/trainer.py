@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import fsdp, hlo, loco
+from loco_jax.training import model as model_lib
 from loco_jax.training.run import config as config_lib
 from loco_jax.training.run import mesh as mesh_lib
-from loco_jax.training import model as model_lib
 from loco_jax.training.run import steps, strategy
 from loco_jax.training.run.dataset import Dataset
 from loco_jax.training.run.metrics import emit

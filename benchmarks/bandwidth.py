@@ -35,7 +35,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from loco_jax import collectives, diloco, fragments, hlo  # noqa: E402
+from loco_jax import collectives, diloco, exchange, fragments, hlo  # noqa: E402
 from loco_jax.training import shapes  # noqa: E402
 
 HEADING = "## Bandwidth per replica: data parallel vs DiLoCo vs Streaming DiLoCo (benchmarks/bandwidth.py)"
@@ -46,7 +46,7 @@ MODELS = {
 }
 
 
-# The sparse exchange's densities (diloco.diloco(density=...), 4,096-entry chunks, 12-bit positions): 3 % and
+# The sparse exchange's densities (exchange.Sparse.of(density, ...), 4,096-entry chunks, 12-bit positions): 3 % and
 # 1 % (the quality cells of benchmarks/parity.py) and 64 of 4,096 (1.56 %, the bytes target).
 SPARSE_DENSITIES = (0.03, 64 / 4096, 0.01)
 
@@ -140,11 +140,11 @@ def measure(model, mesh, m, d, h, p):
         ("DiLoCo fp32 (P=1)", dict(num_fragments=1, overlap=0)),
         (f"Streaming DiLoCo fp32 (P={p}, tau=1)", dict(num_fragments=p, overlap=1)),
         (f"Streaming DiLoCo 4-bit (P={p}, tau=1)", dict(num_fragments=p, overlap=1, bits=4)),
-        (f"Streaming DiLoCo 4-bit e3m0 (P={p}, tau=1)", dict(num_fragments=p, overlap=1, bits=4, format="e3m0")),
+        (f"Streaming DiLoCo 4-bit e3m0 (P={p}, tau=1)", dict(num_fragments=p, overlap=1, bits=diloco.codec(4, format="e3m0"))),
         (f"Streaming DiLoCo 2-bit (P={p}, tau=1)", dict(num_fragments=p, overlap=1, bits=2)),
         (f"Streaming DiLoCo 4-bit two-stage (P={p}, tau=1)", dict(num_fragments=p, overlap=1, bits=4, mode="two_stage")),
     ] + [(f"Streaming DiLoCo sparse {100 * density:.3g} % 2-bit (P={p}, tau=1)",
-          dict(num_fragments=p, overlap=1, bits=2, density=density)) for density in SPARSE_DENSITIES]
+          dict(num_fragments=p, overlap=1, bits=exchange.Sparse.of(density, bits=2))) for density in SPARSE_DENSITIES]
     for name, kw in variants:
         t0 = time.time()
         tx, programs = diloco_programs(shapes, mesh, sync_every=h, **kw)

@@ -118,7 +118,10 @@ def default_name(bits):
 
 def make_tx(kind, kwargs):
     leaf_mean = {"exact": fp32_mean, "bf16": bf16_mean}.get(kind)
-    reduce_tx = tree_mean(leaf_mean) if leaf_mean else loco.compress(axis_name=AXIS, **kwargs)
+    if leaf_mean:
+        return optax.chain(tree_mean(leaf_mean), optax.sgd(1e-3))
+    settings = {k: v for k, v in kwargs.items() if k != "mode"}  # what is sent; the mode is how
+    reduce_tx = loco.compress(loco.codec(**settings), axis_name=AXIS, mode=kwargs.get("mode", "two_stage"))
     return optax.chain(reduce_tx, optax.sgd(1e-3))
 
 

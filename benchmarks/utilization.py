@@ -42,7 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import bandwidth  # noqa: E402
-from loco_jax import fragments  # noqa: E402
+from loco_jax import diloco, exchange, fragments  # noqa: E402
 from loco_jax.training import shapes  # noqa: E402
 
 HEADING = "## Bandwidth for 95 % compute utilisation (benchmarks/utilization.py)"
@@ -69,8 +69,8 @@ def bytes_per_param():
     n = fragments.count_params(shapes)
     fp32_dp, _ = bandwidth.replica_bytes(bandwidth.data_parallel(shapes, mesh, jnp.float32), 2, 4)
     out = {"dp": fp32_dp / 2 / n}
-    payloads = [("outer", {}), ("outer4", dict(bits=4, format="e3m0"))]
-    payloads += [(("sparse", d), dict(bits=2, density=d)) for d in SPARSE_DENSITIES]
+    payloads = [("outer", {}), ("outer4", dict(bits=diloco.codec(4, format="e3m0")))]
+    payloads += [(("sparse", d), dict(bits=exchange.Sparse.of(d, bits=2))) for d in SPARSE_DENSITIES]
     for key, kw in payloads:
         tx, programs = bandwidth.diloco_programs(shapes, mesh, sync_every=4, num_fragments=1, **kw)
         out[key] = max(bandwidth.replica_bytes(c, 2, 4)[0] for c in programs.values()) / n

@@ -81,7 +81,7 @@ def as_cotangent(slot):
 
 def from_views(ex: loco.Exchanger, slot_f):
     """The stored error buffers from their cotangent views (:func:`as_cotangent`'s inverse)."""
-    if ex.error_bits is None:
+    if ex.codec.error_bits is None:  # stored in fp32 (or nothing stored): the views are the buffers
         return tuple(slot_f)
     codes = lambda x: None if x is None else lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[:-1] + (-1,))
     values, scales, values2, scales2 = slot_f

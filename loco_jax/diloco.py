@@ -15,7 +15,7 @@ model at a time (:mod:`loco_jax.fragments`)::
       theta_global_p = theta~_p
 
 (A sparse exchange with ``keep_unsent`` restarts each replica from ``theta~_p - beta e_p +
-theta_p(t + tau) - theta_p(t)`` instead: :func:`diloco`'s argument.)
+theta_p(t + tau) - theta_p(t)`` instead: ``exchange.Sparse.of(density, keep_unsent=True)``.)
 ``P = 1, tau = 0, alpha = 0`` is vanilla DiLoCo (Douillard et al. 2023);
 ``P > 1`` with overlap ``tau >= 1`` is Streaming DiLoCo (Douillard et al.
 2025, arXiv 2501.18512). Fragment 0 holds every leaf outside the transformer
@@ -38,7 +38,7 @@ fp32. The default ``mode="all_gather"`` quantizes once (each replica's own
 outer gradient, as the paper does): with the few replicas DiLoCo runs (2-8) it
 costs the same bytes as the two-stage form at M = 2 and at most
 (M-1)/(2(M-1)/M) = M/2 times more above, and it adds no second rounding.
-``compensate=True`` keeps a LoCo error buffer per fragment, carried from one
+``codec(b, compensate=True)`` keeps a LoCo error buffer per fragment, carried from one
 sync of that fragment to the next (``e = beta e + (1 - beta)(h - DQ(Q(h)))``,
 ``h = Delta + e``, stored in ``error_bits``): new in this project.
 
@@ -445,9 +445,7 @@ def relayout_inflight(inflight, sizes, fragment, old_mesh, new_mesh, slice_len, 
     return out.reshape(-1)
 
 
-# The values' format of a sparse exchange per bit width when ``format`` is None: the top-k entries of a chunk
-# all lie far from zero, so a format with a zero level wastes one (docs/results.md, "Sparse outer gradients").
-SPARSE_FORMATS = {1: "int", 2: "uniform", 4: "int", 8: "int"}
+SPARSE_FORMATS = exchange_lib.SPARSE_FORMATS  # a sparse exchange's values' format per width (format None)
 
 
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the default outer step (outer=None): Nesterov SGD
@@ -455,83 +453,85 @@ AVERAGE_OVER = exchange_lib.AVERAGE_OVER  # diloco(average_over=): a sparse mean
 CHUNKS = exchange_lib.CHUNKS  # diloco(chunks=): a sparse exchange's chunks
 
 
-def sparseloco_rule(lr: float = 1.0, beta: float = 0.95) -> dict:
-    """SparseLoCo's outer rule as ``diloco(...)`` arguments: the error-feedback accumulator, decayed by
-    ``beta``, takes the place of the outer momentum, and the outer step is plain SGD at ``lr``::
+def sparseloco_rule(exchange: exchange_lib.Sparse, lr: float = 1.0, beta: float = 0.95) -> dict:
+    """SparseLoCo's outer rule as ``diloco(...)`` arguments: the error-feedback accumulator of ``exchange``,
+    decayed by ``beta``, takes the place of the outer momentum, and the outer step is plain SGD at ``lr``::
 
-        diloco.diloco(inner, sync_every=30, bits=2, density=1 / 64, **diloco.sparseloco_rule())
+        diloco.diloco(inner, sync_every=30, **diloco.sparseloco_rule(exchange.Sparse.of(1 / 64)))
 
-    The default rule (``outer=None``, ``error_decay=None``) is Nesterov SGD (lr 0.7, momentum 0.9) on the
-    decoded mean, with plain error feedback (``beta = 1``), as MuLoCo keeps it.
+    The default rule (``outer=None``, ``Sparse.of(decay=1)``) is Nesterov SGD (lr 0.7, momentum 0.9) on the
+    decoded mean, with plain error feedback, as MuLoCo keeps it.
     """
-    return dict(outer=optax.sgd(lr), error_decay=beta)
+    if not isinstance(exchange, exchange_lib.Sparse):
+        raise ValueError(f"sparseloco_rule({exchange!r}): the rule decays a sparse exchange's accumulator; pass "
+                         "exchange.Sparse.of(density, ...).")
+    return dict(outer=optax.sgd(lr), bits=exchange._replace(decay=float(beta)))
 
 
-def _resolve_exchange(bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk,
-                      index_bits):
-    """``(sparse config or None, format, compensate, rotate, error_decay, error_bits)`` of the exchange, the
-    None and "auto" settings resolved; refuses what a sparse exchange cannot be, naming the setting."""
-    if error_bits == "auto":
-        error_bits = 8 if density is None else None
-    resolved = settings(bits, preset, density, format=format, compensate=compensate, rotate=rotate)
-    if density is None:
-        if error_decay is not None:
-            raise ValueError(f"error_decay={error_decay} is the sparse accumulator's decay; set density, or use "
-                             "error_beta for the dense exchange's error buffer.")
-        if format in sparse_lib.SPARSE_FORMAT_BITS:
-            raise ValueError(f"format={format!r} quantizes the kept values of a sparse exchange; set density, or "
-                             f"choose one of {quant.FORMATS} for the dense one.")
-        return None, resolved["format"], resolved["compensate"], resolved["rotate"], None, error_bits
-    if error_decay is not None and (isinstance(error_decay, bool) or not isinstance(error_decay, (int, float))
-                                    or not 0.0 < error_decay <= 1.0):
-        raise ValueError(f"error_decay={error_decay!r} must lie in (0, 1] (1: plain error feedback; SparseLoCo "
-                         "uses 0.95).")
-    if bits is None:
-        raise ValueError(f"density={density} sends a sparse, quantized outer gradient: set bits (1, 2, 4 or 8).")
-    if mode != "all_gather":
-        raise ValueError(f"density={density}: the sparse exchange is an all_gather of every replica's entries; "
-                         f"mode={mode!r} is for dense payloads (use mode='all_gather').")
-    if rotate:
-        raise ValueError(f"density={density} with rotate=True: the sparse exchange picks entries in the "
-                         "parameters' own domain; leave rotate at None or False.")
-    if compensate is False:
-        raise ValueError(f"density={density} with compensate=False: without its error feedback the sparse "
-                         "exchange would drop what it does not send; leave compensate at None or True.")
-    format = resolved["format"]
-    cfg = sparse_lib.sparse_config(density, chunk=chunk, bits=bits, format=format, index_bits=index_bits)
-    return cfg, format, True, False, 1.0 if error_decay is None else float(error_decay), error_bits
+def codec(
+    bits: int | None = None,
+    *,
+    preset: exchange_lib.Preset = "measured",
+    format: quant.Format | None = None,
+    compensate: bool | None = None,
+    rotate: bool | None = None,
+    block_size: int = quant.DEFAULT_BLOCK_SIZE,
+    error_beta: float = 0.8,
+    error_bits: int | None = 8,
+    seed: int = 0,
+) -> exchange_lib.Dense | exchange_lib.Exact:
+    """The dense outer exchange for ``bits``, as one checked value (:mod:`loco_jax.exchange`):
+    ``diloco(inner, bits=b)`` runs ``codec(b)``. (A sparse one is ``exchange.Sparse.of(density, ...)``.)
 
-
-def _exchange_codec(bits, preset, format, compensate, rotate, mode, block_size, error_beta, error_bits, seed, density,
-                    chunk, index_bits, error_decay, average_over, chunks):
-    """The exchange value (:mod:`loco_jax.exchange`) of ``diloco``'s codec arguments, the preset's per-bit
-    defaults filled in; every check of them on the way, each refusal naming the setting."""
-    _sparse_choice("average_over", average_over, AVERAGE_OVER, density,
-                   "the sparse mean's divisor (M replicas, or the replicas that sent each entry)",
-                   "sets a sparse mean's divisor; a dense exchange sends every entry from every replica, so its "
-                   "mean divides by M")
-    _sparse_choice("chunks", chunks, CHUNKS, density, "the flat fragment's chunks, or tiles and pieces that follow "
-                   "its leaves", "cuts a sparse exchange's chunks; a dense exchange has none")
-    if chunks == "leaves" and math.isqrt(chunk) ** 2 != chunk:
-        raise ValueError(f"chunks='leaves' cuts tiles of sqrt(chunk) per side; chunk={chunk} is not a square "
-                         f"(e.g. 4096 = 64 x 64, or 1024).")
-    sparse_cfg, format, compensate, rotate, error_decay, error_bits = _resolve_exchange(
-        bits, preset, format, compensate, rotate, mode, error_decay, error_bits, density, chunk, index_bits)
-    if format in sparse_lib.SPARSE_FORMAT_BITS:  # the sparse payload's own (checked there); the error blocks' int
-        format = "int"
-    quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=error_beta, beta_name="error_beta",
-                               rotate=rotate)
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}.")
+    Args:
+      bits: 8, 4, 2 or 1 bits per value on the wire, or ``None`` (the exact fp32 mean).
+      preset: where the ``None`` settings come from: :data:`MEASURED`'s per-bit defaults (``"measured"``)
+        or the paper's (``"reference"``: int, no rotation, no compensation); see :func:`settings`.
+      format: payload format, one of :data:`quant.FORMATS` (``"e3m0"`` is the paper's 4-bit choice).
+      compensate: LoCo error feedback on the outer gradients, per fragment.
+      rotate: exchange in a randomized-Hadamard domain (one rotation per fragment from ``seed``;
+        power-of-two ``block_size``); the error buffer lives in that domain.
+      block_size, error_beta, error_bits: the quantizer's block, the error buffer's moving-average weight
+        in [0, 1), and its storage bits (None: fp32).
+      seed: the rotations' seed.
+    """
+    resolved = settings(bits, preset, format=format, compensate=compensate, rotate=rotate)
+    if format in sparse_lib.SPARSE_FORMAT_BITS:
+        raise ValueError(f"format={format!r} quantizes the kept values of a sparse exchange; use "
+                         f"exchange.Sparse.of(density, format={format!r}), or choose one of {quant.FORMATS}.")
     if rotate and bits is None:
         raise ValueError("rotate=True rotates a quantized exchange, but bits=None exchanges exact fp32; set bits.")
     if compensate and bits is None:
         raise ValueError("compensate=True compensates quantization error, but bits=None exchanges exact fp32; set bits.")
-    if sparse_cfg is not None:
-        return exchange_lib.Sparse(sparse_cfg, error_decay, error_bits, block_size, average_over, chunks)
     if bits is None:
-        return exchange_lib.Exact(block_size)
-    return exchange_lib.Dense(bits, format, rotate, block_size, compensate, error_beta, error_bits, seed)
+        return exchange_lib.Exact(block_size).checked("error_beta", format=resolved["format"], error_bits=error_bits,
+                                                      beta=error_beta)
+    return exchange_lib.Dense(bits, resolved["format"], resolved["rotate"], block_size, resolved["compensate"],
+                              error_beta, error_bits, seed).checked("error_beta")
+
+
+def _exchange_value(bits, mode):
+    """``diloco``'s ``bits`` as a checked exchange value (an int or None through :func:`codec`), with the
+    collective ``mode`` it travels by."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is unknown; choose one of {MODES}.")
+    if isinstance(bits, exchange_lib.Sparse):
+        if mode != "all_gather":
+            raise ValueError(f"the sparse exchange ({bits.code.k} of every {bits.code.chunk} entries) is an "
+                             f"all_gather of every replica's entries; mode={mode!r} is for dense payloads (use "
+                             "mode='all_gather').")
+        return bits
+    if isinstance(bits, exchange_lib.Dense):
+        if bits.compensate_second_stage or bits.stochastic_rounding:
+            raise ValueError(f"diloco({bits!r}): compensate_second_stage and stochastic_rounding are LoCo's "
+                             "(loco.compress); the outer exchange quantizes once, to nearest.")
+        return bits.checked("error_beta")
+    if isinstance(bits, exchange_lib.Exact):
+        return bits.checked()
+    if bits is not None and not is_int(bits):
+        raise ValueError(f"diloco(bits={bits!r}): bits is 8, 4, 2 or 1, None (the exact fp32 mean), or an "
+                         "exchange value (diloco.codec(...), exchange.Sparse.of(...)).")
+    return codec(bits)
 
 
 def _validate(sync_every, num_fragments, overlap, alpha):
@@ -552,22 +552,9 @@ def _validate(sync_every, num_fragments, overlap, alpha):
         raise ValueError(f"alpha={alpha!r} must lie in [0, 1] (0 drops local steps taken meanwhile, 1 never merges).")
 
 
-def _sparse_choice(name, value, choices, density, meaning, why_not_dense):
-    """Refuses ``value`` outside ``choices`` and, with a dense exchange, anything but the first (the default)."""
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} must be one of {choices}: {meaning}.")
-    if value != choices[0] and density is None:
-        raise ValueError(f"{name}={value!r} {why_not_dense}: set density, or {name}={choices[0]!r}.")
-
-
-def _validate_keep_unsent(keep_unsent, codec, alpha, overlap):
-    if not isinstance(keep_unsent, bool):
-        raise ValueError(f"keep_unsent={keep_unsent!r} must be True or False.")
-    if not keep_unsent:
+def _validate_keep_unsent(codec_value, alpha, overlap):
+    if not getattr(codec_value, "keep_unsent", False):
         return
-    if not isinstance(codec, exchange_lib.Sparse):
-        raise ValueError("keep_unsent=True keeps the sparse exchange's unsent accumulator in the local parameters; "
-                         "set density (the dense exchange sends every entry).")
     if alpha != 0:
         raise ValueError(f"keep_unsent=True with alpha={alpha}: the replica already keeps all of its own progress; "
                          "alpha would count it twice (use alpha=0).")
@@ -805,120 +792,58 @@ def diloco(
     inner: optax.GradientTransformation,
     *,
     sync_every: int,
+    bits: int | None | exchange_lib.Exact | exchange_lib.Dense | exchange_lib.Sparse = None,
     outer: optax.GradientTransformation | None = None,
-    axis_name: str = "replica",
+    alpha: float = 0.0,
     num_fragments: int = 1,
     overlap: int = 0,
-    alpha: float = 0.0,
-    bits: int | None | exchange_lib.Exact | exchange_lib.Dense | exchange_lib.Sparse = None,
-    format: quant.Format | None = None,
-    compensate: bool | None = None,
-    rotate: bool | None = None,
+    fragment_by: frag.Strategy | Any = "strided",
+    axis_name: str = "replica",
     data_axis: str | None = "data",
     mode: coll.Mode = "all_gather",
-    block_size: int = quant.DEFAULT_BLOCK_SIZE,
-    error_beta: float = 0.8,
-    error_bits: int | None | str = "auto",
-    strategy: frag.Strategy = "strided",
-    labels=None,
-    preset: exchange_lib.Preset = "measured",
-    seed: int = 0,
-    density: float | None = None,
-    chunk: int = sparse_lib.DEFAULT_CHUNK,
-    index_bits: int | None = None,
-    error_decay: float | None = None,
-    keep_unsent: bool = False,
-    average_over: str = "senders",
-    chunks: str = "flat",
 ) -> DiLoCo:
     """(Streaming) DiLoCo around ``inner``; see the module docstring for the maths.
+
+    What crosses ``axis_name`` is one exchange value (:mod:`loco_jax.exchange`); the schedule (H, the
+    fragments, the overlap), the outer step and the merge are this function's::
+
+        diloco(inner, sync_every=30, num_fragments=3, overlap=1, bits=4)                 # codec(4)
+        diloco(inner, sync_every=30, bits=diloco.codec(4, format="e3m0", preset="reference"))
+        diloco(inner, sync_every=30, bits=exchange.Sparse.of(0.03, decay=0.95), outer=optax.sgd(1.0))
 
     Args:
       inner: the inner optimizer (e.g. ``optax.chain(loco.compress(...),
         optax.adamw(...))``), run every step on each replica.
       sync_every: H, inner steps between two syncs of a fragment.
+      bits: outer-gradient bits on the wire (8, 4, 2, 1: :func:`codec`'s
+        per-bit defaults) or None (fp32). Or the exchange itself:
+        :func:`codec`'s value, ``exchange.Dense(...)``, ``exchange.Exact()`` or
+        ``exchange.Sparse.of(density, ...)`` (SparseLoCo's rule with it:
+        :func:`sparseloco_rule`).
       outer: outer optimizer on the outer gradient ``theta_global -
         theta_local``; ``None`` is SGD lr 0.7 with Nesterov momentum 0.9.
-      axis_name: the replica mesh axis.
+      alpha: weight of the local parameters when merging, in ``[0, 1]``.
       num_fragments: P; 1 is vanilla DiLoCo.
       overlap: tau, steps the exchange may take, in ``[0, floor(H / P))``.
-      alpha: weight of the local parameters when merging, in ``[0, 1]``.
-      bits: outer-gradient bits on the wire (8, 4, 2, 1) or None (fp32). Or
-        the exchange itself, a value of :mod:`loco_jax.exchange`
-        (``Exact()``, ``Dense(...)``, ``Sparse.of(density, ...)``); the
-        arguments that describe a codec (``format``, ``compensate``,
-        ``rotate``, ``block_size``, ``error_beta``, ``error_bits``,
-        ``preset``, ``seed``, ``density``, ``chunk``, ``index_bits``,
-        ``error_decay``, ``average_over``, ``chunks``) then stay at their
-        defaults.
-      format: payload format, one of :data:`quant.FORMATS` (``"e3m0"`` is the
-        paper's 4-bit choice). ``format``, ``compensate`` and ``rotate`` left
-        at None take :data:`MEASURED`'s per-bit defaults (``preset="reference"``:
-        int, no rotation, no compensation); see :func:`settings`.
-      compensate: LoCo error feedback on the outer gradients, per fragment.
-      rotate: exchange in a randomized-Hadamard domain (one rotation per
-        fragment from ``seed``; power-of-two ``block_size``); the error buffer
-        lives in that domain.
+      fragment_by: how fragments are formed (:func:`fragments.plan`):
+        ``"strided"`` or ``"sequential"`` over the detected blocks, or explicit
+        labels (a pytree of ints with the parameters' structure, or a callable
+        returning one).
+      axis_name: the replica mesh axis.
       data_axis: mesh axis inside a replica whose devices hold identical
         parameters; each sends a 1/D slice. ``None`` or unbound: no slicing.
-      mode: ``"all_gather"`` (default, one quantization) or ``"two_stage"``.
-      block_size, error_beta, error_bits: quantizer block, the dense error
-        buffer's moving-average weight, and the error buffer's storage bits
-        ("auto": 8 dense, None = fp32 sparse: an entry may wait ~1/density
-        rounds in the accumulator, and requantizing it every round adds up).
-      strategy, labels: how fragments are formed (:func:`fragments.plan`).
-      preset, seed: where None settings come from; the rotation's seed.
-      density: None (dense) or the fraction of each chunk's entries sent, in
-        (0, 1): the sparse exchange (:meth:`Exchange.sparse_mean`), ``bits``
-        per value (1, 2, 4 or 8; ``format`` None: :data:`SPARSE_FORMATS`),
-        always with its error feedback, never rotated, ``mode="all_gather"``.
-        SparseLoCo's outer rule: ``**sparseloco_rule()``.
-      chunk, index_bits: the sparse exchange's chunk (a power of two) and
-        position width (None: log2(chunk)); :func:`loco_jax.sparse.sparse_config`.
-      error_decay: the sparse accumulator's decay ``beta`` in (0, 1] (None:
-        1, plain error feedback): ``e <- beta e + Delta``.
-      keep_unsent: a sparse exchange whose replicas keep their own unsent
-        progress: each restarts from ``theta~ - beta e + theta(t + tau) -
-        theta(t)`` instead of ``theta~``, and its next outer gradient is its
-        whole displacement from the global parameters, ``a = Delta``
-        (which then holds ``beta e``). Needs ``alpha=0`` (alpha would count
-        the local progress twice) and ``overlap <= 1`` (the restart is made
-        in the program that exchanges).
-      average_over: a sparse exchange's mean, ``"senders"`` (the default:
-        each entry's sum / the number of replicas that sent it, as
-        SparseLoCo's reference code aggregates; an entry one replica sent
-        moves the mean by its whole value) or ``"replicas"`` (each entry's
-        sum over the M replicas / M: the dense mean with unsent entries as
-        zeros, which shrinks an entry one replica sent by M and needs an
-        outer lr of about M; measured in docs/results.md, "The outer step
-        for the sparse rule").
-      chunks: a sparse exchange's chunks, ``"flat"`` (every ``chunk`` values of
-        the flattened fragment, crossing leaves) or ``"leaves"`` (SparseLoCo's:
-        each matrix cut into tiles of ``sqrt(chunk)`` per side, at most, each
-        vector into pieces of at most ``sqrt(chunk)``, ``k`` scaled to each
-        chunk's size; :func:`loco_jax.sparse.tile_layout`).
+      mode: ``"all_gather"`` (default, one quantization) or ``"two_stage"``;
+        a sparse exchange is an all_gather.
     """
-    if isinstance(bits, exchange_lib.CODECS):  # the value's settings, then checked as if given
-        exchange_lib.require_defaults(
-            diloco, bits, format=format, compensate=compensate, rotate=rotate, block_size=block_size,
-            error_beta=error_beta, error_bits=error_bits, preset=preset, seed=seed, density=density, chunk=chunk,
-            index_bits=index_bits, error_decay=error_decay, average_over=average_over, chunks=chunks)
-        codec, bits, block_size = bits, bits.bits, bits.block_size
-        if isinstance(codec, exchange_lib.Dense):
-            format, compensate, rotate, error_beta, error_bits, seed = (codec.format, codec.compensate, codec.rotate,
-                                                                        codec.beta, codec.error_bits, codec.seed)
-        elif isinstance(codec, exchange_lib.Sparse):
-            c = codec.code
-            density, chunk, format, index_bits = c.k / c.chunk, c.chunk, c.format, c.index_bits
-            error_decay, error_bits, average_over, chunks = codec.decay, codec.error_bits, codec.average_over, codec.chunks
-    codec = _exchange_codec(bits, preset, format, compensate, rotate, mode, block_size, error_beta, error_bits, seed,
-                            density, chunk, index_bits, error_decay, average_over, chunks)
+    codec_value = _exchange_value(bits, mode)
     _validate(sync_every, num_fragments, overlap, alpha)
-    _validate_keep_unsent(keep_unsent, codec, alpha, overlap)
+    _validate_keep_unsent(codec_value, alpha, overlap)
     if outer is None:
         outer = optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-    ex = Exchange(axis_name, data_axis, codec, mode, keep_unsent)
+    ex = Exchange(axis_name, data_axis, codec_value, mode, getattr(codec_value, "keep_unsent", False))
     schedule = dict(sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
+    by_name = isinstance(fragment_by, str)
+    strategy, labels = (fragment_by, None) if by_name else ("strided", fragment_by)
 
     @functools.lru_cache(maxsize=8)
     def _plan_for(treedef, shapes):

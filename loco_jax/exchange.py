@@ -28,6 +28,7 @@ Each has a ``feedback``: its :class:`ErrorFeedback` (the error step above), or N
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Literal, NamedTuple, get_args
 
 import jax.numpy as jnp
@@ -35,9 +36,13 @@ import jax.numpy as jnp
 from loco_jax import collectives as coll
 from loco_jax import quant
 from loco_jax import sparse as sparse_lib
+from loco_jax.checks import is_int
 
 AVERAGE_OVER = ("senders", "replicas")  # a sparse mean's divisor (Sparse.average_over)
 CHUNKS = ("flat", "leaves")  # a sparse exchange's chunks (Sparse.chunks)
+# The kept values' format per bit width when ``Sparse.of(format=None)``: the top-k entries of a chunk all lie
+# far from zero, so a format with a zero level wastes one (docs/results.md, "Sparse outer gradients").
+SPARSE_FORMATS = {1: "int", 2: "uniform", 4: "int", 8: "int"}
 
 
 # Where the settings a caller leaves at None come from: the per-bit table measured best, or the
@@ -123,6 +128,9 @@ class Exact(NamedTuple):
 
     block_size: int = quant.DEFAULT_BLOCK_SIZE
     rotate_in = rotate_out = staticmethod(_same)  # no rotation
+    seed = 0  # nothing random, nothing kept: the fields LoCo's step reads of a Dense, at their off values
+    compensate_second_stage = stochastic_rounding = False
+    error_bits = None
 
     @property
     def bits(self):
@@ -132,12 +140,22 @@ class Exact(NamedTuple):
     def feedback(self):
         return None
 
+    def checked(self, beta_name="beta", *, format="int", error_bits=8, beta=0.0):
+        """This value, its block size checked (it still lays out the buckets and slices), and the settings a
+        builder was given beside it (unused by an exact mean, refused all the same when out of range)."""
+        quant.validate_compression(None, self.block_size, format, error_bits=error_bits, beta=beta,
+                                   beta_name=beta_name)
+        return self
+
 
 class Dense(NamedTuple):
     """Every value at ``bits`` bits (:mod:`loco_jax.quant`): ``format`` (``"int"`` absmax, ``"e3m0"``,
     ``"uniform"``, ``"lloyd"``), one scale per ``block_size`` values, in the randomized-Hadamard domain of
     ``seed`` when ``rotate``. With ``compensate`` the error is kept at ``error_bits`` as a moving average of
-    weight ``beta`` (:class:`ErrorFeedback`; ``beta = 0``: plain error feedback).
+    weight ``beta`` (:class:`ErrorFeedback`; ``beta = 0``: plain error feedback). LoCo's two-stage all-reduce
+    only: ``compensate_second_stage`` keeps a second error for the re-quantization of each device's reduced
+    chunk, and ``stochastic_rounding`` rounds the payload at random, unbiased (a key from ``seed`` in the
+    transformation's state, advanced every step); :func:`loco_jax.diloco.diloco` refuses both.
 
     The defaults are LoCo's reference settings (the authors' code: int absmax, no rotation, beta 0.8).
     ``loco.compress(bits=b)`` and ``diloco.diloco(bits=b)`` fill the settings left at None from their own
@@ -151,6 +169,8 @@ class Dense(NamedTuple):
     beta: float = 0.8
     error_bits: int | None = 8
     seed: int = 0
+    compensate_second_stage: bool = False
+    stochastic_rounding: bool = False
 
     @property
     def quant(self) -> coll.QuantConfig:
@@ -160,6 +180,13 @@ class Dense(NamedTuple):
     @property
     def feedback(self) -> ErrorFeedback | None:
         return ErrorFeedback(None, self.beta, self.error_bits, self.block_size) if self.compensate else None
+
+    def checked(self, beta_name="beta"):
+        """This value, every setting checked (:func:`loco_jax.quant.validate_compression`), each refusal naming
+        one (``beta_name``: what the caller calls ``beta``)."""
+        quant.validate_compression(self.bits, self.block_size, self.format, error_bits=self.error_bits, beta=self.beta,
+                                   beta_name=beta_name, rotate=self.rotate, stochastic=self.stochastic_rounding)
+        return self
 
     def rotate_in(self, rows, salt=0):
         """Into bucket or fragment ``salt``'s rotated domain (identity unless ``rotate``)."""
@@ -171,12 +198,14 @@ class Dense(NamedTuple):
 
 class Sparse(NamedTuple):
     """Each chunk's largest entries: ``code`` (a :class:`loco_jax.sparse.SparseConfig`: ``k`` of every
-    ``chunk`` values, at ``bits`` in its ``format``, positions at ``index_bits``), built by
+    ``chunk`` values, at ``bits`` in its ``format``, positions at ``index_bits``), built and checked by
     :meth:`of`. The error is the decayed accumulator ``e <- decay e + x``, less what was sent
     (:class:`ErrorFeedback` with ``carry = decay``, ``average = 0``), kept at ``error_bits`` (None: fp32)
     with one scale per ``block_size``. ``average_over``: each entry's mean over the ``"senders"`` (the
     replicas whose payload holds it) or over all ``"replicas"``; ``chunks``: ``"flat"`` (every ``chunk``
-    values of the flattened fragment) or ``"leaves"`` (tiles and pieces that follow its leaves)."""
+    values of the flattened fragment) or ``"leaves"`` (tiles and pieces that follow its leaves);
+    ``keep_unsent``: the replicas keep their own unsent progress (:func:`loco_jax.diloco.diloco`'s module
+    docstring)."""
 
     code: sparse_lib.SparseConfig
     decay: float = 1.0
@@ -184,13 +213,47 @@ class Sparse(NamedTuple):
     block_size: int = quant.DEFAULT_BLOCK_SIZE
     average_over: str = "senders"
     chunks: str = "flat"
+    keep_unsent: bool = False
     rotate_in = rotate_out = staticmethod(_same)  # entries are picked in the values' own domain
 
     @classmethod
-    def of(cls, density, *, chunk=sparse_lib.DEFAULT_CHUNK, bits=2, format="uniform", index_bits=None, **rest):
-        """The sparse exchange of ``density`` (a checked :func:`loco_jax.sparse.sparse_config`)."""
-        return cls(sparse_lib.sparse_config(density, chunk=chunk, bits=bits, format=format, index_bits=index_bits),
-                   **rest)
+    def of(cls, density, *, bits=2, format=None, chunk=sparse_lib.DEFAULT_CHUNK, index_bits=None, decay=1.0,
+           error_bits=None, block_size=quant.DEFAULT_BLOCK_SIZE, average_over="senders", chunks="flat",
+           keep_unsent=False):
+        """The sparse exchange of ``density``, every setting checked, each refusal naming it.
+
+        Args:
+          density: the share of each chunk's entries sent, in (0, 1): ``k = round(density chunk)``.
+          bits, format: the kept values' width (1, 2, 4 or 8) and format (None: :data:`SPARSE_FORMATS`).
+          chunk, index_bits: entries per chunk (a power of two) and the position width (None: log2(chunk));
+            :func:`loco_jax.sparse.sparse_config`.
+          decay: the accumulator's ``beta`` in (0, 1]: ``e <- beta e + Delta`` (1: plain error feedback;
+            SparseLoCo uses 0.95).
+          error_bits, block_size: the accumulator's storage (None: fp32; an entry may wait ~1/density rounds
+            in it, and requantizing it every round adds up) and its scales' block.
+          average_over: ``"senders"`` (each entry's sum / the replicas that sent it, as SparseLoCo's
+            reference code aggregates) or ``"replicas"`` (/ M: unsent entries count as zeros).
+          chunks: ``"flat"`` or ``"leaves"`` (SparseLoCo's: each matrix cut into tiles of ``sqrt(chunk)`` per
+            side at most, each vector into pieces of at most ``sqrt(chunk)``, ``k`` scaled to each piece;
+            :func:`loco_jax.sparse.tile_layout`).
+          keep_unsent: each replica restarts from ``theta~ - beta e + theta(t + tau) - theta(t)`` and its next
+            outer gradient is its whole displacement; needs ``alpha=0`` and ``overlap <= 1`` in ``diloco``.
+        """
+        format = SPARSE_FORMATS.get(bits, "int") if format is None else format
+        for name, value, choices in (("average_over", average_over, AVERAGE_OVER), ("chunks", chunks, CHUNKS)):
+            if value not in choices:
+                raise ValueError(f"{name}={value!r} must be one of {choices}.")
+        if chunks == "leaves" and is_int(chunk) and math.isqrt(chunk) ** 2 != chunk:
+            raise ValueError(f"chunks='leaves' cuts tiles of sqrt(chunk) per side; chunk={chunk} is not a square "
+                             f"(e.g. 4096 = 64 x 64, or 1024).")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay={decay!r} must lie in (0, 1] (1: plain error feedback; SparseLoCo uses 0.95).")
+        if not isinstance(keep_unsent, bool):
+            raise ValueError(f"keep_unsent={keep_unsent!r} must be True or False.")
+        code = sparse_lib.sparse_config(density, chunk=chunk, bits=bits, format=format, index_bits=index_bits)
+        error_format = "int" if format in sparse_lib.SPARSE_FORMAT_BITS else format  # the error blocks' own
+        quant.validate_compression(bits, block_size, error_format, error_bits=error_bits, beta=0.0)
+        return cls(code, float(decay), error_bits, block_size, average_over, chunks, keep_unsent)
 
     @property
     def bits(self) -> int:

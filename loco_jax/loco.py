@@ -200,7 +200,6 @@ class Exchanger(NamedTuple):
     step_inputs: Any
     slot_of: Any
     labels_of: Any
-    error_bits: int | None
     axis_name: str | None
     codec: Any  # the exchange value (loco_jax.exchange.Dense or Exact) the step runs
 
@@ -212,10 +211,8 @@ def stored(slots) -> dict:
             if slots and slots[0][k] is not None}
 
 
-def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce, mode, nonfinite, bucket_size,
-                rotate=False, stochastic=False):
-    quant.validate_compression(bits, block_size, format, error_bits=error_bits, beta=beta, rotate=rotate,
-                               stochastic=stochastic)
+def _check_args(codec_value, reduce, mode, reset_every, nonfinite, bucket_size, axis_name, fast_axis, shard_dims):
+    """``compress``'s own arguments (where and how the codec's payload travels), each refusal naming one."""
     require_int("reset_every", reset_every, "a positive integer number of steps, or None", allow_none=True)
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce={reduce!r} is unknown; choose one of {REDUCE_MODES}.")
@@ -226,6 +223,25 @@ def _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce,
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite={nonfinite!r} is unknown; choose one of {NONFINITE_MODES}.")
     require_int("bucket_size", bucket_size, "a positive number of values, or None (one bucket)", allow_none=True)
+    if codec_value.compensate_second_stage and (not codec_value.compensate or mode != "two_stage"
+                                                or reduce != "mean"):
+        raise ValueError(
+            "compensate_second_stage=True needs the two-stage all-reduce with compensation: "
+            "bits set, compensate=True, mode='two_stage' and reduce='mean'."
+        )
+    if fast_axis is not None:
+        if fast_axis == axis_name or axis_name is None:
+            raise ValueError(
+                f"fast_axis={fast_axis!r} must be a mesh axis other than axis_name={axis_name!r} (the slow links "
+                "LoCo compresses); the mean over both is what the optimizer gets."
+            )
+        if reduce != "mean":
+            raise ValueError(
+                f"fast_axis={fast_axis!r} does not combine with reduce={reduce!r}: the hierarchical all-reduce gathers "
+                "the whole mean back over the fast axis; for FSDP shards use reduce='scatter' over one axis."
+            )
+    if shard_dims is not None and reduce != "scatter":
+        raise ValueError(f"shard_dims is for reduce='scatter' (FSDP); reduce={reduce!r} returns full-shape means.")
 
 
 def state_axes(leaves, axis_name):
@@ -252,83 +268,41 @@ def _check_grads_vary(leaves, axis_name):
 def compress(
     bits: int | None | exchange_lib.Dense | exchange_lib.Exact = 4,
     *,
-    beta: float | None = None,
-    reset_every: int | None = 1024,
-    error_bits: int | None = 8,
-    block_size: int = quant.DEFAULT_BLOCK_SIZE,
-    format: quant.Format | None = None,
-    rotate: bool | None = None,
     axis_name: str | None = "data",
-    compensate: bool | None = None,
     reduce: Reduce = "mean",
     mode: coll.Mode = "two_stage",
-    compensate_second_stage: bool | None = None,
-    stochastic_rounding: bool = False,
-    seed: int = 0,
+    reset_every: int | None = 1024,
     nonfinite: NonFinite = "skip",
     bucket_size: int | None = None,
-    preset: exchange_lib.Preset = "measured",
+    groups=None,
     shard_dims=None,
     fast_axis: str | None = None,
-    groups=None,
 ) -> optax.GradientTransformationExtraArgs:
     """LoCo: averages gradients over ``axis_name`` in ``bits`` bits, compensating the error.
 
-    ``format``, ``rotate``, ``beta``, ``compensate`` and
-    ``compensate_second_stage`` left at ``None`` take the per-bit defaults of
-    :data:`MEASURED` (``preset="measured"``) or LoCo's reference settings
-    (``preset="reference"``: int absmax, beta 0.8, no rotation); see
-    :func:`settings`.
+    What is sent is the codec's (:func:`codec`, a value of :mod:`loco_jax.exchange`); where and how it
+    travels is this function's. ``compress(bits=4)`` runs ``codec(4)``, the per-bit defaults of
+    :data:`MEASURED`; any other setting is one value: ``compress(codec(4, compensate=True, beta=0.8))``,
+    ``compress(codec(2, preset="reference"))``.
 
     Args:
       bits: 8, 4, 2 or 1 bits per value on the wire (plus 32 / ``block_size``
-        for the scales); ``None`` is the exact fp32 mean. Or the exchange
-        itself, a value of :mod:`loco_jax.exchange`: ``compress(Dense(4,
-        format="lloyd", rotate=True, compensate=True, beta=0.0))``, or
-        ``Exact()``; its settings are then the codec's, and ``beta``,
-        ``error_bits``, ``block_size``, ``format``, ``rotate``,
-        ``compensate``, ``preset`` and ``seed`` stay at their defaults.
-      beta: weight of the old error in the moving average, in [0, 1); 0 is
-        plain error feedback.
-      reset_every: zero every error buffer when ``t % reset_every == 0``
-        (``None``: never).
-      error_bits: bits of the stored error (block scales), ``None`` for fp32.
-      block_size: values per scale (a multiple of 8).
-      format: the payload format, one of :data:`quant.FORMATS` (``"int"``
-        absmax, ``"e3m0"`` 4-bit float, ``"uniform"`` and ``"lloyd"``
-        RMS-fitted grids that use every code).
-      rotate: quantize in a randomized-Hadamard domain (one fixed rotation per
-        bucket from ``seed``; power-of-two ``block_size``). The sums run on
-        rotated values and the mean is rotated back once; the error buffers
-        live in the rotated domain (the rotation is orthogonal and fixed, so
-        ``R^T e`` is the error in the gradient's own coordinates).
+        for the scales), the settings :func:`codec` gives those bits; ``None``
+        is the exact fp32 mean. Or the exchange itself: :func:`codec`'s value,
+        an ``exchange.Dense(...)`` or ``exchange.Exact()``.
       axis_name: mesh axis to average over; ``None`` compresses and
         decompresses locally, with no communication.
-      compensate: ``False`` is naive low-bit communication (no error state).
       reduce: ``"mean"`` (every device gets the full mean) or ``"scatter"``
         (each device gets its dim-0 shard of the mean, FSDP).
       mode: ``"two_stage"`` (all-to-all then all-gather) or ``"all_gather"``
         (quantize once, gather every payload, sum locally).
-      compensate_second_stage: also compensate the re-quantization of the
-        reduced chunk (two-stage, reduce="mean").
-      stochastic_rounding: unbiased random rounding; the key is in the state,
-        folded with each device's index and advanced every step.
-      seed: seed of that key.
+      reset_every: zero every error buffer when ``t % reset_every == 0``
+        (``None``: never).
       nonfinite: ``"skip"`` (zero updates) or ``"propagate"`` (NaN updates)
         on a step whose gradients hold NaN or Inf anywhere; the state is left
         unchanged either way.
       bucket_size: at most this many values per bucket (whole leaves); ``None``
         sends the whole tree as one bucket.
-      preset: where the ``None`` settings come from: ``"measured"`` or ``"reference"``.
-      shard_dims: ``reduce="scatter"`` only: a pytree of ints with the
-        gradients' structure, the dimension each leaf's shard is cut on
-        (``None``: dim 0 of every leaf); see :func:`loco_jax.fsdp.shard_dims`.
-      fast_axis: hierarchical LoCo: a mesh axis of fast links (the devices of
-        one host). The mean over it is exact (``psum_scatter``: each device
-        keeps 1/D of the bucket), the low-bit LoCo all-reduce runs over
-        ``axis_name`` on that 1/D shard with its error buffers (1/D the size),
-        and an ``all_gather`` over ``fast_axis`` restores the whole mean. Only
-        ``uint8`` crosses ``axis_name``. With ``reduce="mean"`` only.
       groups: how leaves form buckets: ``None`` (leaves in tree order, in
         buckets of at most ``bucket_size`` values), or a pytree with the
         gradients' structure whose leaves are ``None`` (bucketed that way,
@@ -339,6 +313,15 @@ def compress(
         stored stacked, ``(L, M, cols)``). One bucket per layer is what the
         in-backward exchange (:mod:`loco_jax.backward`) uses; the two give
         bit-identical results.
+      shard_dims: ``reduce="scatter"`` only: a pytree of ints with the
+        gradients' structure, the dimension each leaf's shard is cut on
+        (``None``: dim 0 of every leaf); see :func:`loco_jax.fsdp.shard_dims`.
+      fast_axis: hierarchical LoCo: a mesh axis of fast links (the devices of
+        one host). The mean over it is exact (``psum_scatter``: each device
+        keeps 1/D of the bucket), the low-bit LoCo all-reduce runs over
+        ``axis_name`` on that 1/D shard with its error buffers (1/D the size),
+        and an ``all_gather`` over ``fast_axis`` restores the whole mean. Only
+        ``uint8`` crosses ``axis_name``. With ``reduce="mean"`` only.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; ``init`` and ``update`` run
@@ -352,19 +335,68 @@ def compress(
 
 def exchanger(**kwargs) -> Exchanger:
     """The :class:`Exchanger` of ``compress(**kwargs)`` (the same arguments): its optax transformation and
-    the per-bucket step that the in-backward exchange (:mod:`loco_jax.backward`) runs."""
+    the per-bit step that the in-backward exchange (:mod:`loco_jax.backward`) runs."""
     arguments = inspect.signature(compress).bind(**kwargs)  # refuses an unknown argument by name
     arguments.apply_defaults()  # compress's defaults: the one place they are written
     return _build(**arguments.arguments)
 
 
-def codec(bits=4, **settings):
-    """The exchange value (:mod:`loco_jax.exchange`) that ``compress(bits, **settings)`` runs, its per-bit
-    defaults filled in: what a setting left at None means, as one value. ``codec(4)`` is
-    ``Dense(bits=4, format='lloyd', rotate=True, compensate=False, beta=0.0, ...)`` (:data:`MEASURED`),
-    ``codec(4, preset="reference")`` LoCo's reference, ``codec(None)`` ``Exact()``. Pass it on, changed or
-    not: ``compress(codec(4)._replace(compensate=True))``."""
-    return exchanger(bits=bits, **settings).codec
+def codec(
+    bits: int | None = 4,
+    *,
+    preset: exchange_lib.Preset = "measured",
+    format: quant.Format | None = None,
+    rotate: bool | None = None,
+    beta: float | None = None,
+    compensate: bool | None = None,
+    compensate_second_stage: bool | None = None,
+    error_bits: int | None = 8,
+    block_size: int = quant.DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+    stochastic_rounding: bool = False,
+) -> exchange_lib.Dense | exchange_lib.Exact:
+    """What LoCo sends for ``bits``, as one checked value (:mod:`loco_jax.exchange`): ``compress(bits)``
+    runs ``codec(bits)``.
+
+    ``format``, ``rotate``, ``beta``, ``compensate`` and ``compensate_second_stage`` left at ``None`` take
+    the per-bit defaults of :data:`MEASURED` (``preset="measured"``) or LoCo's reference settings
+    (``preset="reference"``: int absmax, beta 0.8, no rotation); see :func:`settings`. ``codec(4)`` is
+    ``Dense(bits=4, format='lloyd', rotate=True, compensate=False, beta=0.0, ...)``; ``codec(None)`` is
+    ``Exact()``, the fp32 mean.
+
+    Args:
+      bits: 8, 4, 2 or 1 bits per value on the wire, or ``None`` (exact fp32).
+      preset: where the ``None`` settings come from: ``"measured"`` or ``"reference"``.
+      format: the payload format, one of :data:`quant.FORMATS` (``"int"``
+        absmax, ``"e3m0"`` 4-bit float, ``"uniform"`` and ``"lloyd"``
+        RMS-fitted grids that use every code).
+      rotate: quantize in a randomized-Hadamard domain (one fixed rotation per
+        bucket from ``seed``; power-of-two ``block_size``). The sums run on
+        rotated values and the mean is rotated back once; the error buffers
+        live in the rotated domain (the rotation is orthogonal and fixed, so
+        ``R^T e`` is the error in the gradient's own coordinates).
+      beta: weight of the old error in the moving average, in [0, 1); 0 is
+        plain error feedback.
+      compensate: ``False`` is naive low-bit communication (no error state).
+      compensate_second_stage: also compensate the re-quantization of the
+        reduced chunk (two-stage, ``reduce="mean"``).
+      error_bits: bits of the stored error (block scales), ``None`` for fp32.
+      block_size: values per scale (a multiple of 8).
+      seed: of the rotations and of the stochastic-rounding key.
+      stochastic_rounding: unbiased random rounding; the key is in the state,
+        folded with each device's index and advanced every step.
+    """
+    resolved = settings(bits, preset, format=format, rotate=rotate, beta=beta, compensate=compensate,
+                        compensate_second_stage=compensate_second_stage)
+    if bits is None:  # the exact mean: nothing to compress, nothing to compensate
+        if stochastic_rounding:
+            raise ValueError("stochastic_rounding=True rounds a quantized payload, but bits=None exchanges exact "
+                             "fp32; set bits.")
+        return exchange_lib.Exact(block_size).checked(format=resolved["format"], error_bits=error_bits,
+                                                      beta=resolved["beta"])
+    return exchange_lib.Dense(bits, resolved["format"], resolved["rotate"], block_size, resolved["compensate"],
+                              resolved["beta"], error_bits, seed, resolved["compensate_second_stage"],
+                              stochastic_rounding).checked()
 
 
 def bucket_labels(groups, treedef, count):
@@ -453,10 +485,7 @@ class BucketStep(NamedTuple):
     fast_axis: str | None
     scatter: bool
     bucket_size: int | None
-    stochastic_rounding: bool
-    seed: int  # of the stochastic-rounding key (a Dense codec's rotations use its own, the same)
-    codec: Any  # exchange.Dense or exchange.Exact: the payload and its error step
-    compensate_second_stage: bool
+    codec: Any  # exchange.Dense or exchange.Exact: the payload, its error step, the rounding and its seed
     mode: str
     reset_every: int | None
     shard_dims: Any
@@ -471,6 +500,14 @@ class BucketStep(NamedTuple):
     @property
     def quantized(self) -> bool:
         return self.codec.bits is not None
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        return self.codec.stochastic_rounding
+
+    @property
+    def compensate_second_stage(self) -> bool:
+        return self.codec.compensate_second_stage
 
     @property
     def feedback(self):
@@ -498,7 +535,7 @@ class BucketStep(NamedTuple):
         if self.fast_axis is not None:
             specs.require_axis(self.fast_axis, "loco.compress")
         count = jnp.zeros((), jnp.int32)
-        key = jax.random.key_data(jax.random.PRNGKey(self.seed))
+        key = jax.random.key_data(jax.random.PRNGKey(self.codec.seed))
         if self.feedback is None:
             return CompressState(count, count, key)
         m = coll.axis_size(self.axis_name)
@@ -756,58 +793,33 @@ class BucketStep(NamedTuple):
         return jax.tree.unflatten(treedef, out_leaves), new_state
 
 
-def _build(bits, *, beta, reset_every, error_bits, block_size, format, rotate, axis_name, compensate, reduce, mode,
-           compensate_second_stage, stochastic_rounding, seed, nonfinite, bucket_size, preset, shard_dims, fast_axis,
-           groups) -> Exchanger:
+def _build(bits, *, axis_name, reduce, mode, reset_every, nonfinite, bucket_size, groups, shard_dims,
+           fast_axis) -> Exchanger:
     """The Exchanger of ``compress``'s arguments, every one given (:func:`exchanger` fills compress's defaults)."""
-    if isinstance(bits, exchange_lib.Sparse):
-        raise ValueError(f"loco.compress({bits!r}): LoCo's all-reduce sends dense payloads; use exchange.Dense or "
-                         "exchange.Exact (a sparse exchange is diloco.diloco's).")
-    if isinstance(bits, exchange_lib.CODECS):  # the codec's settings, checked as if given
-        exchange_lib.require_defaults(compress, bits, beta=beta, error_bits=error_bits, block_size=block_size,
-                                      format=format, rotate=rotate, compensate=compensate, preset=preset, seed=seed)
-        codec = bits
-        bits = codec.bits
-        block_size = codec.block_size
-        if isinstance(codec, exchange_lib.Dense):
-            beta, error_bits, format, rotate = codec.beta, codec.error_bits, codec.format, codec.rotate
-            compensate, seed = codec.compensate, codec.seed
-    resolved = settings(bits, preset, format=format, rotate=rotate, beta=beta, compensate=compensate,
-                        compensate_second_stage=compensate_second_stage)
-    if bits is None:  # the exact mean: nothing to compress, nothing to compensate
-        resolved.update(rotate=False, compensate_second_stage=False)
-    format, rotate, beta = resolved["format"], resolved["rotate"], resolved["beta"]
-    compensate, compensate_second_stage = resolved["compensate"], resolved["compensate_second_stage"]
-    _check_args(bits, beta, reset_every, error_bits, block_size, format, reduce, mode, nonfinite, bucket_size,
-                rotate, stochastic_rounding)
-    if compensate_second_stage and (bits is None or not compensate or mode != "two_stage" or reduce != "mean"):
-        raise ValueError(
-            "compensate_second_stage=True needs the two-stage all-reduce with compensation: "
-            "bits set, compensate=True, mode='two_stage' and reduce='mean'."
-        )
-    if fast_axis is not None:
-        if fast_axis == axis_name or axis_name is None:
-            raise ValueError(
-                f"fast_axis={fast_axis!r} must be a mesh axis other than axis_name={axis_name!r} (the slow links "
-                "LoCo compresses); the mean over both is what the optimizer gets."
-            )
-        if reduce != "mean":
-            raise ValueError(
-                f"fast_axis={fast_axis!r} does not combine with reduce={reduce!r}: the hierarchical all-reduce gathers "
-                "the whole mean back over the fast axis; for FSDP shards use reduce='scatter' over one axis."
-            )
-    if shard_dims is not None and reduce != "scatter":
-        raise ValueError(f"shard_dims is for reduce='scatter' (FSDP); reduce={reduce!r} returns full-shape means.")
-    codec = (exchange_lib.Exact(block_size) if bits is None else
-             exchange_lib.Dense(bits, format, rotate, block_size, compensate, beta, error_bits, seed))
-    step = BucketStep(axis_name, fast_axis, reduce == "scatter", bucket_size, stochastic_rounding, seed, codec,
-                      compensate_second_stage, mode, reset_every, shard_dims, nonfinite, groups)
+    value = _codec_value(bits)
+    _check_args(value, reduce, mode, reset_every, nonfinite, bucket_size, axis_name, fast_axis, shard_dims)
+    step = BucketStep(axis_name, fast_axis, reduce == "scatter", bucket_size, value, mode, reset_every, shard_dims,
+                      nonfinite, groups)
     return Exchanger(
         transformation=optax.GradientTransformationExtraArgs(step.init, step.update), layout=step.layout,
         bucket=step.bucket, pipelined=step.pipelined(), send=step.send, exchange=step.exchange, receive=step.receive,
-        step_inputs=step.step_inputs, slot_of=step.slot_of, labels_of=step.labels_of, error_bits=error_bits,
-        axis_name=axis_name, codec=codec,
+        step_inputs=step.step_inputs, slot_of=step.slot_of, labels_of=step.labels_of, axis_name=axis_name,
+        codec=value,
     )
+
+
+def _codec_value(bits):
+    """``compress``'s ``bits`` as a checked exchange value: an int or None through :func:`codec`, a value as
+    it is (checked as :func:`codec` checks what it builds)."""
+    if isinstance(bits, exchange_lib.Sparse):
+        raise ValueError(f"loco.compress({bits!r}): LoCo's all-reduce sends dense payloads; use loco.codec(...), "
+                         "exchange.Dense or exchange.Exact (a sparse exchange is diloco.diloco's).")
+    if isinstance(bits, (exchange_lib.Dense, exchange_lib.Exact)):
+        return bits.checked()
+    if bits is not None and not is_int(bits):
+        raise ValueError(f"loco.compress(bits={bits!r}): bits is 8, 4, 2 or 1, None (the exact fp32 mean), or an "
+                         "exchange value (loco.codec(...)).")
+    return codec(bits)
 
 
 def find_state(opt_state) -> CompressState:

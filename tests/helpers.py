@@ -3,6 +3,7 @@ The corpus they train on is conftest.py's ``text_file`` fixture."""
 
 import collections
 import functools
+import inspect
 import os
 import socket
 import sys
@@ -230,6 +231,14 @@ class Run:
         prog = self.program("traced" if traced else self.tx.phase(t))
         xs, ys = put(self.mesh, x, P(DEVICES)), put(self.mesh, y, P(DEVICES))
         self.params, self.state = jax.block_until_ready(prog(self.params, self.state, xs, ys))
+
+
+def compress(**kwargs):
+    """``loco.compress`` of LoCo's settings given together (a parametrized case's dict): those that describe
+    what is sent build ``loco.codec(...)``, the rest are ``compress``'s own."""
+    codec_names = inspect.signature(loco.codec).parameters
+    codec = loco.codec(**{k: v for k, v in kwargs.items() if k in codec_names})
+    return loco.compress(codec, **{k: v for k, v in kwargs.items() if k not in codec_names})
 
 
 def inner_sgd(lr):

@@ -89,23 +89,29 @@ def test_config_json_records_the_resolved_settings_and_an_old_workdir_resumes(te
 
 
 def test_the_config_takes_its_defaults_from_the_library():
-    """Every config field that sets an argument of ``loco.compress`` or ``diloco.diloco`` defaults to that
-    argument's own default (one set of defaults), but for the application's stated choices: ``loco.bits``
-    (the exact mean) and ``diloco.sync_every`` (the library has none). The outer step's defaults are the
-    library's constants, which ``diloco(outer=None)`` builds its Nesterov SGD from."""
+    """Every config field that sets an argument of the library (``loco.compress`` and ``loco.codec``;
+    ``diloco.diloco``, ``diloco.codec`` and ``exchange.Sparse.of``) defaults to that argument's own default
+    (one set of defaults), but for the application's stated choices: ``loco.bits`` (the exact mean),
+    ``diloco.sync_every`` (the library has none), and the sparse exchange's ``density`` (None: a dense
+    exchange; ``error_decay`` None is Sparse.of's own decay, and is not one of its arguments' names). The outer step's defaults are the library's constants, which
+    ``diloco(outer=None)`` builds its Nesterov SGD from."""
     import dataclasses
     import inspect
 
-    from loco_jax import diloco, loco
+    from loco_jax import diloco, exchange, loco
     from loco_jax.training.run import config as config_lib
 
-    own = {("loco", "bits"), ("diloco", "sync_every")}
-    for section, fields, fn in (("loco", config_lib.LocoFields(), loco.compress),
-                                ("diloco", config_lib.DilocoFields(), diloco.diloco)):
-        params = inspect.signature(fn).parameters
-        shared = [f.name for f in dataclasses.fields(fields) if f.name in params and (section, f.name) not in own]
-        assert len(shared) >= 10, shared
-        for name in shared:
-            assert getattr(fields, name) == params[name].default, (section, name)
+    own = {("loco", "bits"), ("diloco", "sync_every"), ("diloco", "density")}
+    for section, fields, fns, least in (
+            ("loco", config_lib.LocoFields(), (loco.compress, loco.codec), 10),
+            ("diloco", config_lib.DilocoFields(), (diloco.diloco, diloco.codec, exchange.Sparse.of), 13)):
+        checked = 0
+        for f in dataclasses.fields(fields):
+            owners = [fn for fn in fns if f.name in inspect.signature(fn).parameters]
+            if (section, f.name) in own or not owners:
+                continue
+            assert getattr(fields, f.name) == inspect.signature(owners[0]).parameters[f.name].default, (section, f.name)
+            checked += 1
+        assert checked >= least, (section, checked)
     d = config_lib.DilocoFields()
     assert (d.outer_lr, d.outer_momentum) == (diloco.OUTER_LR, diloco.OUTER_MOMENTUM) == (0.7, 0.9)

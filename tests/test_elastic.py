@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import optax
 import pytest
 
-from loco_jax import diloco, sparse
+from loco_jax import diloco, exchange, sparse
 from loco_jax.training.run.checkpoints import INFLIGHT, restore_elastic
 from loco_jax.training.run.loop import train_and_evaluate
 from loco_jax.training.run.metrics import read_metrics
@@ -156,7 +156,7 @@ def test_relayout_inflight_round_trips_the_mean_between_meshes():
     params["embed"] = jax.ShapeDtypeStruct((50,), np.float32)
     meshes = [(2, 4), (4, 2), (3, 1), (1, 8), (8, 1)]
     for mode in ("all_gather", "two_stage"):  # two_stage slices are whole blocks per replica: k depends on M too
-        tx = diloco.diloco(optax.sgd(0.1), sync_every=8, num_fragments=2, overlap=2, block_size=64, mode=mode)
+        tx = diloco.diloco(optax.sgd(0.1), sync_every=8, num_fragments=2, overlap=2, mode=mode, bits=diloco.codec(None, block_size=64))
         size = tx.plan(params).fragment_sizes()[1]
         mean = np.random.default_rng(0).normal(size=size).astype(np.float32)
         one = np.pad(mean, (0, 4096))  # one device: the mean, then padding
@@ -179,8 +179,7 @@ def test_relayout_inflight_with_chunks_that_follow_the_leaves_retiles_the_mean()
     device j's slice of ``TileLayout.tiled(mean)``), and moving it back gives the buffer to the bit."""
     params = {f"layers_{i}": {"w": jax.ShapeDtypeStruct((96, 64 + 32 * i), np.float32)} for i in range(2)}
     params["embed"] = jax.ShapeDtypeStruct((50,), np.float32)
-    tx = diloco.diloco(optax.sgd(0.1), sync_every=8, num_fragments=2, overlap=2, bits=2, density=0.03, chunk=1024,
-                       chunks="leaves", block_size=64)
+    tx = diloco.diloco(optax.sgd(0.1), sync_every=8, num_fragments=2, overlap=2, bits=exchange.Sparse.of(0.03, bits=2, chunk=1024, block_size=64, chunks="leaves"))
     plan = tx.plan(params)
     fragment, size = 1, tx.plan(params).fragment_sizes()[1]
     shapes = [x.shape for x in jax.eval_shape(lambda t: plan.select(t, fragment), params)]

@@ -7,7 +7,6 @@ import optax
 import pytest
 
 from loco_jax import diloco, exchange, loco, quant
-from tests.helpers import put
 
 
 def _arrays(seed=3):
@@ -58,8 +57,8 @@ def test_loco_and_diloco_hold_the_codec_their_arguments_name():
     """compress(bits=4) and diloco(bits=2, density=...) resolve their settings into one codec value each:
     the per-bit defaults for LoCo's 4 bits, SparseLoCo's accumulator for a sparse exchange."""
     step = loco.exchanger(bits=4)
-    assert loco.MEASURED[4]["format"] == "lloyd" and step.error_bits == 8
-    tx = diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, density=0.03, error_decay=0.95)
+    assert loco.MEASURED[4]["format"] == "lloyd" and step.codec.error_bits == 8
+    tx = diloco.diloco(optax.sgd(0.1), sync_every=4, bits=exchange.Sparse.of(0.03, bits=2, decay=0.95))
     codec = tx.loop.ex.codec
     assert isinstance(codec, exchange.Sparse) and codec.decay == 0.95 and codec.code.k == round(0.03 * 4096)
     dense = diloco.diloco(optax.sgd(0.1), sync_every=4, bits=4).loop.ex.codec
@@ -67,55 +66,51 @@ def test_loco_and_diloco_hold_the_codec_their_arguments_name():
     assert isinstance(diloco.diloco(optax.sgd(0.1), sync_every=4, bits=None).loop.ex.codec, exchange.Exact)
 
 
-def test_compress_of_a_codec_value_is_compress_of_its_settings(data_mesh):
-    """``compress(Dense(...))`` runs the same step as ``compress(bits=..., ...)`` with the codec's settings:
-    the same means and error buffers, to the bit, over two steps on 8 devices; a setting given twice is refused
-    by name."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
+def test_compress_takes_what_is_sent_as_one_value():
+    """``compress`` takes what is sent as one value: ``loco.codec``'s (the per-bit defaults, a setting given
+    winning) or one built by hand, checked alike; the codec's settings are not ``compress``'s arguments, and a
+    hand-built value outside the valid range is refused by name."""
     settings = dict(format="uniform", rotate=True, compensate=True, beta=0.5, error_bits=8)
-    by_value = loco.compress(exchange.Dense(2, **settings), axis_name="data")
-    by_args = loco.compress(bits=2, axis_name="data", **settings)
-    grads = np.random.RandomState(0).randn(8, 600).astype(np.float32)
-
-    def run(tx):
-        def body(g):
-            params = {"w": jnp.zeros(600)}
-            state = tx.init(params)
-            outs = []
-            for scale in (1.0, 0.5):
-                u, state = tx.update({"w": g[0] * scale}, state, params)
-                outs.append(u["w"])
-            return jnp.stack(outs)[None], state.error[0][None]
-
-        return jax.jit(jax.shard_map(body, mesh=data_mesh, in_specs=P("data"), out_specs=P("data"),
-                                     check_vma=False))(put(data_mesh, grads, P("data")))
-
-    (u1, e1), (u2, e2) = run(by_value), run(by_args)
-    np.testing.assert_array_equal(np.asarray(u1), np.asarray(u2))
-    np.testing.assert_array_equal(np.asarray(e1), np.asarray(e2))
-    assert np.abs(np.asarray(e1)).max() > 0  # an error was kept
-    with pytest.raises(ValueError, match="beta=0.3"):
-        loco.compress(exchange.Dense(4), beta=0.3)
+    assert loco.codec(2, **settings) == exchange.Dense(2, **settings)
+    assert loco.exchanger(bits=2).codec == loco.codec(2)
+    assert loco.exchanger(bits=exchange.Dense(2, **settings)).codec == exchange.Dense(2, **settings)
+    with pytest.raises(TypeError, match="beta"):
+        loco.compress(4, beta=0.3)
     with pytest.raises(ValueError, match="bits"):
         loco.compress(exchange.Dense(3))
+    with pytest.raises(ValueError, match="beta=1.5"):
+        loco.compress(exchange.Dense(4, beta=1.5))
+    with pytest.raises(ValueError, match="bits='4'"):
+        loco.compress("4")
+    with pytest.raises(ValueError, match="compensate_second_stage"):
+        loco.compress(loco.codec(4, compensate=True, compensate_second_stage=True), mode="all_gather")
+    with pytest.raises(ValueError, match="stochastic_rounding=True"):
+        loco.codec(None, stochastic_rounding=True)
 
 
-def test_diloco_of_a_codec_value_holds_the_exchange_its_settings_build():
-    """``diloco(bits=<exchange value>)`` builds the same :class:`diloco.Exchange` (hence the same programs) as
-    the loose settings do, dense and sparse; a setting given twice, or a sparse codec for LoCo, is refused."""
+def test_diloco_takes_what_is_sent_as_one_value():
+    """``diloco(bits=b)`` runs ``diloco.codec(b)`` (its per-bit defaults); a value is held as given, checked
+    as the builders check; the codec's settings are not ``diloco``'s arguments; a sparse codec is refused by
+    LoCo, a LoCo-only setting by DiLoCo; SparseLoCo's rule sets the accumulator's decay and plain SGD."""
     sgd = optax.sgd(0.1)
     ex = lambda **kw: diloco.diloco(sgd, sync_every=4, **kw).loop.ex
-    assert ex(bits=exchange.Sparse.of(0.03, bits=2, decay=0.95)) == ex(bits=2, density=0.03, error_decay=0.95)
-    assert ex(bits=exchange.Sparse.of(1 / 64, chunk=1024, bits=4, format="int", average_over="replicas")) == ex(
-        bits=4, density=1 / 64, chunk=1024, format="int", average_over="replicas")
-    assert ex(bits=exchange.Dense(4, format="lloyd", rotate=True, compensate=False)) == ex(bits=4)
+    assert ex(bits=4) == ex(bits=diloco.codec(4)) == ex(bits=exchange.Dense(4, format="lloyd", rotate=True,
+                                                                              compensate=False))
     assert ex(bits=exchange.Exact()) == ex(bits=None)
-    with pytest.raises(ValueError, match="error_decay=0.9"):
-        ex(bits=exchange.Sparse.of(0.03), error_decay=0.9)
+    sparse = exchange.Sparse.of(1 / 64, chunk=1024, bits=4, average_over="replicas")
+    assert ex(bits=sparse).codec == sparse and sparse.code.format == diloco.SPARSE_FORMATS[4]
+    rule = diloco.sparseloco_rule(sparse, lr=1.0, beta=0.9)
+    assert rule["bits"] == sparse._replace(decay=0.9)
+    with pytest.raises(TypeError, match="density"):
+        diloco.diloco(sgd, sync_every=4, bits=2, density=0.03)
     with pytest.raises(ValueError, match="sparse exchange is diloco"):
         loco.compress(exchange.Sparse.of(0.03))
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        diloco.diloco(sgd, sync_every=4, bits=loco.codec(4, stochastic_rounding=True))
+    with pytest.raises(ValueError, match="error_beta=1.0"):
+        diloco.diloco(sgd, sync_every=4, bits=exchange.Dense(4, beta=1.0))
+    with pytest.raises(ValueError, match="sparse exchange's accumulator"):
+        diloco.sparseloco_rule(diloco.codec(4))
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2, 1])

@@ -141,13 +141,13 @@ def test_validate_rejects_new_options(kwargs, match):
 
 def test_bad_options_fail_at_construction():
     with pytest.raises(ValueError, match="power-of-two block_size"):
-        loco.compress(bits=2, rotate=True, block_size=96)
+        loco.compress(loco.codec(2, rotate=True, block_size=96))
     with pytest.raises(ValueError, match="format='lloyd' supports bits"):
-        loco.compress(bits=8, format="lloyd")
+        loco.compress(loco.codec(8, format="lloyd"))
     with pytest.raises(ValueError, match="stochastic rounding needs"):
-        loco.compress(bits=2, format="uniform", stochastic_rounding=True)
+        loco.compress(loco.codec(2, format="uniform", stochastic_rounding=True))
     with pytest.raises(ValueError, match="preset='best' is unknown"):
-        loco.compress(bits=2, preset="best")
+        loco.compress(loco.codec(2, preset="best"))
     with pytest.raises(ValueError, match="power-of-two block_size"):
         collectives.quantized_psum(jnp.ones(4), "data", rotate=True, block_size=24)
 

@@ -64,7 +64,7 @@ def test_reduce_scatter_on_any_dimension_is_the_mean_cut_there(data_mesh, format
     exact = _scatter(data_mesh, loco.compress(bits=None, reduce="scatter", shard_dims=DIMS), GRADS, DIMS)
     chex.assert_trees_all_close(exact, mean, rtol=1e-6, atol=1e-6)  # global views: the shards put back together
     rotate = format == "lloyd"
-    got = _scatter(data_mesh, loco.compress(bits=4, format=format, rotate=rotate, reduce="scatter", shard_dims=DIMS),
+    got = _scatter(data_mesh, loco.compress(loco.codec(4, format=format, rotate=rotate), reduce="scatter", shard_dims=DIMS),
                    GRADS, DIMS)
     # one 4-bit rounding of each device's values; they are scaled copies, so the errors do not average out
     bound = {"int": 0.2, "e3m0": 0.35, "uniform": 0.2, "lloyd": 0.15}[format]
@@ -76,7 +76,7 @@ def test_leaves_bigger_than_a_bucket_are_cut_on_dim_0_and_keep_their_shards(data
     """bucket_size=300: "b" (384 values, sharded on dim 1) is cut into rows [0, 2) and [2, 3), "c" (640, on dim 2)
     into rows [0, 1), [1, 3), [3, 4); "a" is sharded on dim 0 and stays whole."""
     mean = jax.tree.map(lambda g: g * np.mean(np.arange(1, D + 1)), GRADS)
-    tx = loco.compress(bits=8, format="int", rotate=False, reduce="scatter", shard_dims=DIMS, bucket_size=300)
+    tx = loco.compress(loco.codec(8, format="int", rotate=False), reduce="scatter", shard_dims=DIMS, bucket_size=300)
     got = _scatter(data_mesh, tx, GRADS, DIMS)
     for k in GRADS:
         assert rel_err(got[k], mean[k]) < 0.01, k

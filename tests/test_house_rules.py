@@ -125,3 +125,35 @@ def test_the_length_check_counts_code_not_docstrings(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("def short():\n" + doc + "    return 1\n\n\ndef long():\n" + "    x = 1\n" * 61)
     assert long_functions(str(path)) == [("long", 61)]
+
+
+def wide_functions(path, limit=11):
+    """``(name, count)`` of every public function in ``path`` that takes more than ``limit`` public parameters
+    (``self``/``cls`` and ``_``-prefixed ones not counted)."""
+    out = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or private(node.name):
+            continue
+        a = node.args
+        names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+        count = len([n for n in names if n not in ("self", "cls") and not private(n)])
+        if count > limit:
+            out.append((node.name, count))
+    return out
+
+
+def test_no_library_factory_takes_more_than_eleven_parameters():
+    """The library's public functions (``loco_jax/*.py``: ``compress``, ``diloco``, the codec builders, the
+    collectives) take at most 11 parameters each: what is sent is one value (``loco.codec``, ``diloco.codec``,
+    ``exchange.Sparse.of``), not a dozen loose settings beside the transformation's own."""
+    library = [p for p in project_files() if os.path.dirname(p) == os.path.join(ROOT, "loco_jax")]
+    found = {os.path.relpath(p, ROOT): wide_functions(p) for p in library}
+    assert len(library) >= 10 and not {p: f for p, f in found.items() if f}, found
+
+
+def test_the_width_check_counts_public_parameters(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def narrow(a, b, *, c=1, _salt=0):\n    pass\n\n\n"
+                    "def wide(" + ", ".join(f"a{i}" for i in range(12)) + "):\n    pass\n\n\n"
+                    "class K:\n    def method(self, " + ", ".join(f"b{i}" for i in range(11)) + "):\n        pass\n")
+    assert wide_functions(str(path)) == [("wide", 12)]

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from loco_jax import collectives, hlo, loco, quant
 from tests import reference
-from tests.helpers import gaussian, put, rel_err
+from tests.helpers import compress, gaussian, put, rel_err
 
 M = 8
 
@@ -60,7 +60,7 @@ def _stored_error(state, error_bits=8, block=256):
 def test_error_update_and_reset_match_numpy(data_mesh, kwargs):
     n = M * 256  # one block per chunk
     kwargs = dict(kwargs, reset_every=3, preset="reference")  # unset options: LoCo's reference settings
-    tx = loco.compress(**kwargs)
+    tx = compress(**kwargs)
     state, update = _runner(data_mesh, tx, {"w": jnp.zeros((n,))})
     bits, beta, fmt = kwargs["bits"], kwargs.get("beta", 0.8), kwargs.get("format", "int")
     mode = kwargs.get("mode", "two_stage")
@@ -134,7 +134,7 @@ def test_bits_none_is_the_exact_mean(data_mesh):
 
 def test_axis_none_compresses_locally():
     g = {"w": jnp.asarray(gaussian((512,), seed=2))}
-    tx = loco.compress(bits=4, axis_name=None, compensate=False, preset="reference")
+    tx = loco.compress(loco.codec(4, compensate=False, preset="reference"), axis_name=None)
     out, _ = jax.jit(tx.update)(g, tx.init(g))
     want = reference.quantize_dequantize(np.asarray(g["w"]), 4)
     np.testing.assert_allclose(np.asarray(out["w"]), want, rtol=1e-6)
@@ -145,7 +145,7 @@ def _constant_gradient_bias(mesh, **kwargs):
     n = M * 256
     g = gaussian((M, n), seed=5)
     kwargs = dict(kwargs, preset="reference")  # the ternary int grid: naive 2-bit has a large bias to remove
-    state, update = _runner(mesh, loco.compress(bits=2, reset_every=None, **kwargs), {"w": jnp.zeros((n,))})
+    state, update = _runner(mesh, compress(bits=2, reset_every=None, **kwargs), {"w": jnp.zeros((n,))})
     gs = {"w": put(mesh, g.reshape(-1), P("data"))}
     total = np.zeros(n)
     steps = 300
@@ -218,7 +218,7 @@ def full_precision_loss(data_mesh):
 def test_least_squares_4bit_matches_full_precision(data_mesh, full_precision_loss, kwargs):
     """LoCo's compensated exchange (the per-bit defaults dropped compensation on 2026-12-04, measured on real
     training; on this synthetic problem the compensation is what keeps it within 5 %)."""
-    loss = _least_squares(data_mesh, optax.chain(loco.compress(bits=4, compensate=True, **kwargs), optax.adam(LR)))
+    loss = _least_squares(data_mesh, optax.chain(compress(bits=4, compensate=True, **kwargs), optax.adam(LR)))
     initial = 64.0  # E|y|^2 per output with w = 0
     assert full_precision_loss < 0.15 * initial
     assert abs(loss - full_precision_loss) < 0.05 * full_precision_loss, (loss, full_precision_loss)
@@ -226,7 +226,7 @@ def test_least_squares_4bit_matches_full_precision(data_mesh, full_precision_los
 
 @pytest.fixture(scope="module")
 def reference_2bit_loss(data_mesh):
-    return _least_squares(data_mesh, optax.chain(loco.compress(bits=2, preset="reference"), optax.adam(LR)))
+    return _least_squares(data_mesh, optax.chain(loco.compress(loco.codec(2, preset="reference")), optax.adam(LR)))
 
 
 @pytest.mark.parametrize(
@@ -236,15 +236,15 @@ def reference_2bit_loss(data_mesh):
 def test_least_squares_2bit(data_mesh, full_precision_loss, reference_2bit_loss, kwargs):
     """Every code a level on rotated blocks: 2-bit LoCo (compensated) within 35 % of full precision at step 150 (measured
     +26 %), better than naive in the same format, and under half the ternary reference's loss (17.0 of 5.07)."""
-    loss = _least_squares(data_mesh, optax.chain(loco.compress(bits=2, compensate=True, **kwargs), optax.adam(LR)))
-    naive = _least_squares(data_mesh, optax.chain(loco.compress(bits=2, compensate=False, **kwargs), optax.adam(LR)))
+    loss = _least_squares(data_mesh, optax.chain(compress(bits=2, compensate=True, **kwargs), optax.adam(LR)))
+    naive = _least_squares(data_mesh, optax.chain(compress(bits=2, compensate=False, **kwargs), optax.adam(LR)))
     assert loss < naive, (loss, naive)
     assert loss < 1.35 * full_precision_loss, (loss, full_precision_loss)
     assert loss < reference_2bit_loss / 2, (loss, reference_2bit_loss)
 
 
 def test_least_squares_2bit_reference_loco_beats_naive(data_mesh, full_precision_loss, reference_2bit_loss):
-    naive = _least_squares(data_mesh, optax.chain(loco.compress(bits=2, compensate=False, preset="reference"), optax.adam(LR)))
+    naive = _least_squares(data_mesh, optax.chain(loco.compress(loco.codec(2, compensate=False, preset="reference")), optax.adam(LR)))
     assert reference_2bit_loss - full_precision_loss < (naive - full_precision_loss) / 2, (reference_2bit_loss, naive)
 
 
@@ -252,8 +252,8 @@ def test_least_squares_2bit_reference_loco_beats_naive(data_mesh, full_precision
 def test_least_squares_1bit_loco_beats_naive(data_mesh, full_precision_loss, kwargs, share):
     # Here the data are the same every step, so the quantization error repeats (a bias), which compensation
     # removes; rotated naive 1-bit loses less to begin with (14.6 against 5.07), and LoCo recovers about half.
-    naive = _least_squares(data_mesh, optax.chain(loco.compress(bits=1, compensate=False, **kwargs), optax.adam(LR)))
-    with_loco = _least_squares(data_mesh, optax.chain(loco.compress(bits=1, compensate=True, beta=0.8, **kwargs),
+    naive = _least_squares(data_mesh, optax.chain(compress(bits=1, compensate=False, **kwargs), optax.adam(LR)))
+    with_loco = _least_squares(data_mesh, optax.chain(compress(bits=1, compensate=True, beta=0.8, **kwargs),
                                                       optax.adam(LR)))
     # LoCo recovers at least 1 - 1/share of what naive 1-bit loses (three quarters for the reference, half rotated)
     assert with_loco - full_precision_loss < (naive - full_precision_loss) / share, (with_loco, naive, full_precision_loss)
@@ -263,7 +263,7 @@ def test_least_squares_1bit_loco_beats_naive(data_mesh, full_precision_loss, kwa
 def test_composes_with_optax_without_retracing(data_mesh, inner):
     chex.clear_trace_counter()
     params = put(data_mesh, {"w": jnp.zeros((64, 8)), "b": jnp.zeros((8,))}, P())
-    tx = optax.chain(loco.compress(bits=4, compensate=True), inner)
+    tx = optax.chain(loco.compress(loco.codec(4, compensate=True)), inner)
     specs = loco.state_specs(tx, params, data_mesh)
 
     def apply(p, s, g):
@@ -343,7 +343,7 @@ def _nan_step_runner(mesh, tx, params):
 
 def test_nan_on_one_device_skips_the_step_everywhere(data_mesh):
     params = {"w": jnp.zeros((M * 256,))}
-    before, new_params, after = _nan_step_runner(data_mesh, loco.compress(bits=4, compensate=True), params)
+    before, new_params, after = _nan_step_runner(data_mesh, loco.compress(loco.codec(4, compensate=True)), params)
     np.testing.assert_array_equal(new_params, 0.0)  # zero updates on every device
     assert int(after.skipped) == 1 and int(after.count) == int(before.count) == 1
     chex.assert_trees_all_equal(after._replace(skipped=before.skipped), before)  # nothing else moved
@@ -351,7 +351,7 @@ def test_nan_on_one_device_skips_the_step_everywhere(data_mesh):
 
 def test_skip_nonfinite_skips_the_whole_chain(data_mesh):
     params = {"w": jnp.zeros((M * 256,))}
-    tx = loco.skip_nonfinite(optax.chain(loco.compress(bits=4, compensate=True), optax.adam(0.1)))
+    tx = loco.skip_nonfinite(optax.chain(loco.compress(loco.codec(4, compensate=True)), optax.adam(0.1)))
     before, new_params, after = _nan_step_runner(data_mesh, tx, params)
     np.testing.assert_array_equal(new_params, 0.0)
     assert int(after.skipped) == 1
@@ -381,11 +381,11 @@ def test_skip_nonfinite_skips_the_whole_chain(data_mesh):
 )
 def test_bad_arguments_raise_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        loco.compress(**kwargs)
+        compress(**kwargs)
 
 
 def test_bad_inputs_raise_at_trace_time(data_mesh):
-    tx = loco.compress(bits=4, compensate=True)
+    tx = loco.compress(loco.codec(4, compensate=True))
     with pytest.raises(ValueError, match="not bound"):
         tx.init({"w": jnp.zeros(4)})
     with pytest.raises(ValueError, match="floating-point"):
@@ -434,7 +434,7 @@ def test_reduce_scatter_follows_the_fsdp_contract(data_mesh):
 
 
 def test_reduce_scatter_needs_divisible_leaves(data_mesh):
-    tx = loco.compress(bits=4, compensate=True, reduce="scatter")
+    tx = loco.compress(loco.codec(4, compensate=True), reduce="scatter")
     g = put(data_mesh, np.zeros((M * 6, 4), np.float32), P("data"))
     f = jax.shard_map(lambda g: tx.update({"w": g}, tx.init({"w": g[:1]}))[0]["w"], mesh=data_mesh, in_specs=P("data"), out_specs=P("data"))
     with pytest.raises(ValueError, match="multiple of 8"):
@@ -444,7 +444,7 @@ def test_reduce_scatter_needs_divisible_leaves(data_mesh):
 def test_replicated_parameters_keep_invariant_updates_on_a_two_axis_mesh(mesh):
     """Data parallel on a (replica, data) mesh: errors vary like the gradients, updates stay replicated."""
     params = {"w": jnp.full((64, 8), 0.1)}
-    tx = optax.chain(loco.compress(bits=4, compensate=True, axis_name="data"), optax.adam(1e-2))
+    tx = optax.chain(loco.compress(loco.codec(4, compensate=True), axis_name="data"), optax.adam(1e-2))
     specs = loco.state_specs(tx, params, mesh)
     assert specs[0].error[0] == P("data") and specs[1][0].mu["w"] == P()
 
@@ -462,7 +462,7 @@ def test_replicated_parameters_keep_invariant_updates_on_a_two_axis_mesh(mesh):
 
 def test_error_rms_diagnostic_matches_the_decoded_buffers(data_mesh):
     n = M * 256
-    tx = loco.compress(bits=2, compensate=True)
+    tx = loco.compress(loco.codec(2, compensate=True))
     state, update = _runner(data_mesh, tx, {"w": jnp.zeros((n,))})
     for t in range(3):
         _, state = update({"w": put(data_mesh, gaussian((M * n,), seed=t), P("data"))}, state)
@@ -499,7 +499,7 @@ def test_hierarchical_loco_is_exact_inside_a_host_and_low_bit_across(mesh):
     exact, _, _, _ = _hierarchical(mesh, loco.compress(bits=None, axis_name="replica", fast_axis="data"), grads)
     for k in grads:
         np.testing.assert_allclose(exact[k], np.broadcast_to(mean[k], exact[k].shape), rtol=1e-5, atol=1e-6)
-    tx = loco.compress(bits=4, compensate=True, axis_name="replica", fast_axis="data", format="int", rotate=False, beta=0.8)
+    tx = loco.compress(loco.codec(4, compensate=True, format="int", rotate=False, beta=0.8), axis_name="replica", fast_axis="data")
     got, state0, state, report = _hierarchical(mesh, tx, grads)
     # the first step (no stored error yet) is the library's hierarchical quantized mean of the same values
     dev = P(("replica", "data"))

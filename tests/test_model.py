@@ -317,7 +317,7 @@ def test_nnx_optimizer_with_loco_compress_under_shard_map(data_mesh):
     cfg = M.CONFIGS["tiny"].replace(d_model=64, d_ff=192, compute_dtype="float32", max_seq_len=32)
     model = M.Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
-    tx = optax.chain(loco.compress(bits=4, axis_name="data", compensate=True), optax.adamw(3e-3))
+    tx = optax.chain(loco.compress(loco.codec(4, compensate=True), axis_name="data"), optax.adamw(3e-3))
 
     graphdefs = {}
 

@@ -149,21 +149,20 @@ def test_bad_sparse_settings_are_refused_by_name(kwargs, match):
         sparse.sparse_config(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(density=1.5, bits=2), "density=1.5 must lie in"),
-    (dict(density=0.01, bits=2, chunk=3000), "chunk=3000 must be a power of two"),
-    (dict(density=0.01, bits=None), "set bits"),
-    (dict(density=0.01, bits=2, mode="two_stage"), "mode='two_stage'"),
-    (dict(density=0.01, bits=2, rotate=True), "rotate=True"),
-    (dict(density=0.01, bits=2, compensate=False), "compensate=False"),
-    (dict(density=0.01, bits=2, error_decay=0.0), "error_decay=0.0 must lie in \\(0, 1\\]"),
-    (dict(density=0.01, bits=2, error_decay=1.5), "error_decay=1.5"),
-    (dict(bits=4, error_decay=0.9), "set density"),
-    (dict(bits=2, format="binmean"), "format='binmean' quantizes the kept values of a sparse exchange; set density"),
+@pytest.mark.parametrize("build,match", [
+    (lambda: exchange.Sparse.of(1.5), "density=1.5 must lie in"),
+    (lambda: exchange.Sparse.of(0.01, chunk=3000), "chunk=3000 must be a power of two"),
+    (lambda: exchange.Sparse.of(0.01, bits=3), "bits=3"),
+    (lambda: diloco.diloco(optax.sgd(0.1), sync_every=4, bits=exchange.Sparse.of(0.01), mode="two_stage"),
+     "mode='two_stage'"),
+    (lambda: exchange.Sparse.of(0.01, decay=0.0), "decay=0.0 must lie in \\(0, 1\\]"),
+    (lambda: exchange.Sparse.of(0.01, decay=1.5), "decay=1.5"),
+    (lambda: exchange.Sparse.of(0.01, error_bits=3), "error_bits=3"),
+    (lambda: diloco.codec(2, format="binmean"), "format='binmean' quantizes the kept values of a sparse exchange"),
 ])
-def test_diloco_refuses_bad_sparse_settings_before_anything_compiles(kwargs, match):
+def test_a_bad_sparse_exchange_is_refused_before_anything_compiles(build, match):
     with pytest.raises(ValueError, match=match):
-        diloco.diloco(optax.sgd(0.1), sync_every=4, **kwargs)
+        build()
 
 
 @pytest.mark.parametrize("decay,error_bits,fmt", [(1.0, None, "uniform"), (0.9, None, "uniform"), (0.95, 8, "uniform"),
@@ -257,21 +256,18 @@ def test_the_mean_over_senders_divides_each_entry_by_the_replicas_that_sent_it(m
         assert np.abs(got).sum() > 1.2 * np.abs(over_replicas).sum()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(density=0.01, bits=2, average_over="workers"), "average_over='workers' must be one of"),
-    (dict(bits=4, average_over="replicas"), "a dense exchange sends every entry"),
-])
-def test_average_over_is_refused_by_name(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        diloco.diloco(optax.sgd(0.1), sync_every=4, **kwargs)
+def test_average_over_is_refused_by_name():
+    with pytest.raises(ValueError, match="average_over='workers' must be one of"):
+        exchange.Sparse.of(0.01, average_over="workers")
 
 
 def _sparse_run(mesh, width, **kwargs):
     """A sparse Streaming DiLoCo run on the (2, 4) mesh (H = 6, 3 fragments, overlap 1, SparseLoCo's rule,
     1/64 of 256-value chunks at 2 bits) and its exchange step's collectives over ``replica`` (asserted
     uint8): ``(tx, run, xs, ys, ops over replica, report)``."""
-    tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=1, bits=2, density=1 / 64, chunk=256,
-                       **diloco.sparseloco_rule(lr=1.0, beta=0.95), **kwargs)
+    sent = exchange.Sparse.of(1 / 64, bits=2, chunk=256, **kwargs)
+    tx = diloco.diloco(inner_adamw(), sync_every=6, num_fragments=3, overlap=1,
+                       **diloco.sparseloco_rule(sent, lr=1.0, beta=0.95))
     run = Run(mesh, tx, width=width)
     xs, ys = make_data(9)
     x0, y0 = put(mesh, xs[0], P(DEVICES)), put(mesh, ys[0], P(DEVICES))
@@ -320,8 +316,7 @@ def test_diloco_sparse_sends_uint8_chunks_and_moves_each_fragment_by_at_most_m_k
 def test_diloco_sparse_with_identical_replicas_and_alpha_one_reproduces_the_inner_optimizer(mesh):
     """alpha = 1 keeps the local parameters: whatever the sparse exchange sends, the replicas train as the
     inner optimizer alone (the exchange touches only the global state)."""
-    tx = diloco.diloco(inner_adamw(), sync_every=4, num_fragments=2, overlap=1, alpha=1.0, bits=2, density=1 / 8,
-                       chunk=16)
+    tx = diloco.diloco(inner_adamw(), sync_every=4, num_fragments=2, overlap=1, alpha=1.0, bits=exchange.Sparse.of(1 / 8, bits=2, chunk=16))
     run = Run(mesh, tx)
     xs, ys = make_data(9, same_on_replicas=True)
     for t in range(1, 10):
@@ -359,15 +354,15 @@ def test_the_trainer_with_a_sparse_exchange_learns_and_resumes_bit_identically(t
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(bits=2), "keep_unsent=True keeps the sparse exchange's unsent accumulator"),
-    (dict(bits=2, density=0.01, alpha=0.5), "keep_unsent=True with alpha=0.5"),
-    (dict(bits=2, density=0.01, overlap=2), "keep_unsent=True with overlap=2"),
-    (dict(bits=2, density=0.01, keep_unsent=1), "keep_unsent=1 must be True or False"),
+    (dict(alpha=0.5), "keep_unsent=True with alpha=0.5"),
+    (dict(overlap=2), "keep_unsent=True with overlap=2"),
 ])
 def test_keep_unsent_is_refused_where_its_bookkeeping_cannot_hold(kwargs, match):
-    kwargs = {"keep_unsent": True, **kwargs}
     with pytest.raises(ValueError, match=match):
-        diloco.diloco(optax.sgd(0.1), sync_every=8, num_fragments=2, **kwargs)
+        diloco.diloco(optax.sgd(0.1), sync_every=8, num_fragments=2,
+                      bits=exchange.Sparse.of(0.01, keep_unsent=True), **kwargs)
+    with pytest.raises(ValueError, match="keep_unsent=1 must be True or False"):
+        exchange.Sparse.of(0.01, keep_unsent=1)
 
 
 @pytest.mark.parametrize("overlap", [0, 1])
@@ -379,9 +374,9 @@ def test_keep_unsent_sends_the_whole_displacement_and_restarts_each_replica_besi
     theta~ - beta e + theta(t + tau) - theta(t), where theta(t + tau) is its inner step alone (the same program
     with no exchange)."""
     beta, chunk = 0.9, 64
-    tx = diloco.diloco(inner_adamw(), sync_every=4, num_fragments=2, overlap=overlap, bits=2, density=1 / 16,
-                       chunk=chunk, keep_unsent=True, average_over="replicas",
-                       **diloco.sparseloco_rule(lr=1.0, beta=beta))
+    kept = exchange.Sparse.of(1 / 16, bits=2, chunk=chunk, keep_unsent=True, average_over="replicas")
+    tx = diloco.diloco(inner_adamw(), sync_every=4, num_fragments=2, overlap=overlap,
+                       **diloco.sparseloco_rule(kept, lr=1.0, beta=beta))
     run = Run(mesh, tx, width=16)
     xs, ys = make_data(9)
     t_apply = 8 + overlap  # fragment 0 syncs after steps 4 and 8; this is the second round's apply step
@@ -558,11 +553,9 @@ def test_diloco_sparse_with_chunks_that_follow_the_leaves_sends_each_tiles_top_k
 
 def test_chunks_that_follow_the_leaves_are_refused_where_they_cannot_apply():
     with pytest.raises(ValueError, match="chunks='tiles' must be one of"):
-        diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, density=0.03, chunks="tiles")
-    with pytest.raises(ValueError, match="a dense exchange has none: set density"):
-        diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, chunks="leaves")
+        diloco.diloco(optax.sgd(0.1), sync_every=4, bits=exchange.Sparse.of(0.03, bits=2, chunks="tiles"))
     with pytest.raises(ValueError, match="chunk=512 is not a square"):
-        diloco.diloco(optax.sgd(0.1), sync_every=4, bits=2, density=0.03, chunk=512, chunks="leaves")
+        diloco.diloco(optax.sgd(0.1), sync_every=4, bits=exchange.Sparse.of(0.03, bits=2, chunk=512, chunks="leaves"))
 
 
 def numpy_tile_order(shapes, devices, tile, slice_len):

@@ -9,7 +9,6 @@ valid keys. ``None`` is accepted where the field allows it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import inspect
 import json
@@ -18,6 +17,7 @@ import types
 import typing
 
 from loco_jax import diloco as diloco_lib
+from loco_jax import exchange as exchange_lib
 from loco_jax import loco as loco_lib
 from loco_jax.checks import require_int
 from loco_jax.training import shapes
@@ -119,8 +119,20 @@ def library_default(fn, name):
     return inspect.signature(fn).parameters[name].default
 
 
-_loco = functools.partial(library_default, loco_lib.compress)
-_diloco = functools.partial(library_default, diloco_lib.diloco)
+def _loco(name):
+    """The library's default of a ``loco`` field: ``loco.codec``'s (what is sent) or ``loco.compress``'s."""
+    codec_args = inspect.signature(loco_lib.codec).parameters
+    return library_default(loco_lib.codec if name in codec_args else loco_lib.compress, name)
+
+
+
+def _diloco(name, where=None):
+    """The library's default of a ``diloco`` field: ``diloco.diloco``'s (the schedule, the merge, the
+    collective), ``diloco.codec``'s (a dense exchange) or ``exchange.Sparse.of``'s (a sparse one, ``where``)."""
+    for fn in (diloco_lib.diloco, diloco_lib.codec, exchange_lib.Sparse.of):
+        if (where or name) in inspect.signature(fn).parameters:
+            return library_default(fn, where or name)
+    raise KeyError(name)
 
 
 @dataclasses.dataclass
@@ -171,21 +183,22 @@ class DilocoFields:
     outer_lr_decay: bool = False
     mode: str = _diloco("mode")
     block_size: int = _diloco("block_size")  # values per scale in the outer-gradient payload
-    # Sparse exchange (diloco.diloco(density=...)): each chunk's top density x chunk entries, their values at
-    # `bits`, with an fp32 error-feedback accumulator e <- error_decay e + Delta (None: 1). The outer rules:
-    # Nesterov (outer_momentum > 0, the default) on the decoded mean; SparseLoCo's (outer_momentum=0,
-    # outer_lr=1, error_decay=0.95): the decayed accumulator stands in for the momentum.
-    density: float | None = _diloco("density")
+    # Sparse exchange (None: dense; exchange.Sparse.of(density, ...)): each chunk's top density x chunk
+    # entries, their values at `bits`, with an fp32 error-feedback accumulator e <- error_decay e + Delta
+    # (None: Sparse.of's decay, 1). The outer rules: Nesterov (outer_momentum > 0, the default) on the decoded
+    # mean; SparseLoCo's (outer_momentum=0, outer_lr=1, error_decay=0.95): the decayed accumulator stands in
+    # for the momentum.
+    density: float | None = None
     chunk: int = _diloco("chunk")
-    error_decay: float | None = _diloco("error_decay")
+    error_decay: float | None = None
     # True: each replica keeps its own unsent progress (restarts from the global parameters less its decayed
-    # accumulator instead of the global parameters); needs alpha=0 and overlap <= 1 (diloco.diloco(keep_unsent)).
+    # accumulator instead of the global parameters); needs alpha=0 and overlap <= 1 (Sparse.of(keep_unsent)).
     keep_unsent: bool = _diloco("keep_unsent")
     # the sparse mean of each entry: over the "senders" (the replicas whose payload holds it, as SparseLoCo's
-    # code averages) or over the M "replicas" (unsent entries count as zeros); diloco.diloco(average_over).
+    # code averages) or over the M "replicas" (unsent entries count as zeros); Sparse.of(average_over).
     average_over: str = _diloco("average_over")
     # a sparse exchange's chunks: "flat" (every `chunk` values of the flattened fragment) or "leaves" (tiles of
-    # sqrt(chunk) per side of each matrix, pieces of each vector, k scaled to each; diloco.diloco(chunks))
+    # sqrt(chunk) per side of each matrix, pieces of each vector, k scaled to each; Sparse.of(chunks))
     chunks: str = _diloco("chunks")
 
 
@@ -424,6 +437,32 @@ def validate(cfg: Config):
             if fmt in sparse.SPARSE_FORMAT_BITS and cfg.diloco.density is None:
                 raise ValueError(f"diloco.format={fmt!r} quantizes a sparse exchange's kept values; set "
                                  f"diloco.density, or choose one of {quant.FORMATS}.")
+    _validate_exchange_kind(cfg.diloco)
+
+
+# The diloco section's sparse-only settings: a dense exchange leaves them at their defaults (one section
+# describes either kind of exchange).
+SPARSE_ONLY = ("chunk", "error_decay", "keep_unsent", "average_over", "chunks")
+
+
+def _validate_exchange_kind(d):
+    """The diloco section's settings that belong to the other kind of exchange than its ``density`` picks."""
+    if d.density is None:
+        dense_defaults = DilocoFields()
+        for name in SPARSE_ONLY:
+            if getattr(d, name) != getattr(dense_defaults, name):
+                raise ValueError(f"diloco.{name}={getattr(d, name)!r} is a sparse exchange's setting; set "
+                                 f"diloco.density, or leave diloco.{name} at {getattr(dense_defaults, name)!r}.")
+        return
+    if d.rotate:
+        raise ValueError(f"diloco.density={d.density} with diloco.rotate=true: the sparse exchange picks entries in "
+                         "the parameters' own domain; leave rotate at None or false.")
+    if d.compensate is False:
+        raise ValueError(f"diloco.density={d.density} with diloco.compensate=false: without its error feedback the "
+                         "sparse exchange would drop what it does not send; leave compensate at None or true.")
+    if d.bits is None:
+        raise ValueError(f"diloco.density={d.density} sends a sparse, quantized outer gradient: set diloco.bits "
+                         "(1, 2, 4 or 8).")
 
 
 def _validate_layout(cfg: Config):

@@ -93,10 +93,11 @@ def make_exchanger(cfg: config_lib.Config, shard_dims=None, groups=None) -> loco
     """``loco.compress`` of the config on ``data`` (its :class:`loco_jax.loco.Exchanger`); ``groups``: the
     in-backward buckets (:func:`bucket_groups`), None for the config's ``bucket_size`` buckets."""
     c = cfg.loco
+    codec = loco.codec(c.bits, preset=c.preset, format=c.format, rotate=c.rotate, beta=c.beta, compensate=c.compensate,
+                       compensate_second_stage=c.compensate_second_stage, error_bits=c.error_bits,
+                       block_size=c.block_size, seed=cfg.seed)
     return loco.exchanger(
-        bits=c.bits, beta=c.beta, compensate=c.compensate, error_bits=c.error_bits, block_size=c.block_size,
-        reset_every=c.reset_every, compensate_second_stage=c.compensate_second_stage, axis_name="data",
-        format=c.format, rotate=c.rotate, preset=c.preset, seed=cfg.seed, bucket_size=c.bucket_size,
+        bits=codec, axis_name="data", reset_every=c.reset_every, bucket_size=c.bucket_size,
         **(dict(reduce="scatter", shard_dims=shard_dims) if shard_dims is not None else {}),
         **(dict(fast_axis="local") if cfg.mesh.local > 1 else {}), groups=groups,
     )

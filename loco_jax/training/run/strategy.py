@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from loco_jax import diloco, loco
+from loco_jax import diloco, exchange, loco
 
 
 class DataParallel:
@@ -98,12 +98,21 @@ class StreamingDiLoCo(DataParallel):
                                                    alpha=self.cfg.optim.min_lr_ratio)
         outer = optax.sgd(outer_lr, momentum=d.outer_momentum or None, nesterov=d.outer_momentum > 0)
         return diloco.diloco(
-            inner, sync_every=d.sync_every, outer=outer, num_fragments=d.num_fragments, overlap=d.overlap,
-            alpha=d.alpha, bits=d.bits, format=d.format, compensate=d.compensate, rotate=d.rotate, mode=d.mode,
-            block_size=d.block_size, preset=d.preset, seed=self.cfg.seed, data_axis=None if sharded else "data",
-            density=d.density, chunk=d.chunk, error_decay=d.error_decay, keep_unsent=d.keep_unsent,
-            average_over=d.average_over, chunks=d.chunks,
+            inner, sync_every=d.sync_every, bits=self.exchange(), outer=outer, alpha=d.alpha,
+            num_fragments=d.num_fragments, overlap=d.overlap, data_axis=None if sharded else "data", mode=d.mode,
         )
+
+    def exchange(self):
+        """The outer exchange of ``cfg.diloco`` as one value: ``exchange.Sparse.of(density, ...)`` where
+        ``density`` is set, else ``diloco.codec(bits, ...)`` (``config.validate`` refused the settings of the
+        other kind)."""
+        d = self.cfg.diloco
+        if d.density is not None:
+            decay = {} if d.error_decay is None else dict(decay=d.error_decay)
+            return exchange.Sparse.of(d.density, bits=d.bits, format=d.format, chunk=d.chunk, block_size=d.block_size,
+                                      average_over=d.average_over, chunks=d.chunks, keep_unsent=d.keep_unsent, **decay)
+        return diloco.codec(d.bits, preset=d.preset, format=d.format, compensate=d.compensate, rotate=d.rotate,
+                            block_size=d.block_size, seed=self.cfg.seed)
 
     def check_plan(self, tx, local_params):
         tx.plan(local_params)  # the fragments

@@ -472,25 +472,21 @@ def bucket_layout(shapes, dims, labels, m, *, block_size, bucket_size=None, scat
     return flat, (stacked, depths.pop(), cols([int(np.prod(shapes[i][1:])) for i in stacked]))
 
 
-class BucketStep(NamedTuple):
-    """LoCo's step on one bucket and on a whole gradient tree, with the settings :func:`compress` resolved.
+class BucketAllReduce(NamedTuple):
+    """One bucket's LoCo all-reduce over ``axis_name``: compensate, encode, exchange, decode, keep the error
+    (the ``codec``'s: :mod:`loco_jax.exchange`), with the collective of ``mode`` (and ``fast_axis``,
+    hierarchical; ``scatter``: each device keeps its shard of the mean).
 
-    :meth:`bucket` is one bucket's step (compensate, quantize, exchange, decode, store the new error); with
-    the two-stage all-reduce it splits at its all-to-all into :meth:`send`, :meth:`exchange` and
-    :meth:`receive`, which the in-backward exchange (:mod:`loco_jax.backward`) issues a layer apart.
-    :meth:`init` and :meth:`update` are the optax transformation's.
+    :meth:`bucket` is the whole step; with the two-stage all-reduce it splits at its all-to-all into
+    :meth:`send`, :meth:`exchange` and :meth:`receive`, which the in-backward exchange
+    (:mod:`loco_jax.backward`) issues a layer apart.
     """
 
     axis_name: str | None
     fast_axis: str | None
     scatter: bool
-    bucket_size: int | None
     codec: Any  # exchange.Dense or exchange.Exact: the payload, its error step, the rounding and its seed
     mode: str
-    reset_every: int | None
-    shard_dims: Any
-    nonfinite: str
-    groups: Any  # compress(groups=); the quantizer's block size is the codec's
 
     @property
     def cfg(self) -> coll.QuantConfig:
@@ -514,91 +510,6 @@ class BucketStep(NamedTuple):
         """The codec's error step (:class:`loco_jax.exchange.ErrorFeedback`), None where no error is kept."""
         return self.codec.feedback
 
-    def layout(self, shapes, dims, labels, m):
-        """:func:`bucket_layout` with this transformation's settings (``m``: devices on ``axis_name``)."""
-        fast_size = coll.axis_size(self.fast_axis) if self.fast_axis is not None else None
-        return bucket_layout(shapes, dims, labels, m, block_size=self.codec.block_size, bucket_size=self.bucket_size,
-                             scatter=self.scatter, fast_size=fast_size)
-
-    def labels_of(self, treedef, count):
-        """The ``groups`` labels of a tree (:func:`bucket_labels`)."""
-        return bucket_labels(self.groups, treedef, count)
-
-    def _init_dims(self, params):
-        if not self.scatter or self.shard_dims is None:
-            return [0] * len(jax.tree.leaves(params))
-        return [int(d) for d in jax.tree.leaves(self.shard_dims)]
-
-    def init(self, params):
-        if self.axis_name is not None:
-            specs.require_axis(self.axis_name, "loco.compress")
-        if self.fast_axis is not None:
-            specs.require_axis(self.fast_axis, "loco.compress")
-        count = jnp.zeros((), jnp.int32)
-        key = jax.random.key_data(jax.random.PRNGKey(self.codec.seed))
-        if self.feedback is None:
-            return CompressState(count, count, key)
-        m = coll.axis_size(self.axis_name)
-        leaves, treedef = jax.tree.flatten(params)
-        # The error buffers vary as the gradients will: over axis_name and over every axis the
-        # parameters vary over (e.g. DiLoCo's replica axis), so the updates keep the parameters' type.
-        device_axes = state_axes(leaves, self.axis_name)
-        if self.fast_axis is not None:  # hierarchical: each fast device keeps the errors of its own shard
-            device_axes = tuple(a for a in specs.manual_axes() if a in device_axes or a == self.fast_axis)
-
-        def zeros(shape, depth=None):
-            values, scales = self.feedback.zeros(shape)
-            if depth is not None:
-                values, scales = jax.tree.map(lambda x: jnp.broadcast_to(x, (depth,) + x.shape), (values, scales))
-            return jax.tree.map(lambda x: specs.to_varying(x, device_axes), (values, scales))
-
-        dims = self._init_dims(params)
-        shapes = [tuple(leaf.shape) for leaf in leaves]
-        if self.scatter:  # init receives shards: the full gradients are m times bigger on their shard dimension
-            shapes = [tuple(n * m if k == d else n for k, n in enumerate(s)) for s, d in zip(shapes, dims)]
-        flat, stack = self.layout(shapes, dims, self.labels_of(treedef, len(leaves)), m)
-        buffers = [(cols, None) for _, cols in flat] + ([(stack[2], stack[1])] if stack else [])
-        error, error_scale, error2, error2_scale = [], [], [], []
-        for cols, depth in buffers:
-            values, scales = zeros((m, cols), depth)
-            error.append(values)
-            error_scale.append(scales)
-            if self.compensate_second_stage:
-                values, scales = zeros((1, cols), depth)
-                error2.append(values)
-                error2_scale.append(scales)
-        return CompressState(count, count, key, tuple(error), tuple(error_scale), tuple(error2), tuple(error2_scale))
-
-    def _dims(self, treedef, leaves, params, m):
-        """Per leaf, the dimension its shard is cut on (scatter), checked against the gradients and params."""
-        if self.shard_dims is None:
-            dims = [0] * len(leaves)
-        else:
-            dims_leaves, dims_def = jax.tree.flatten(self.shard_dims)
-            if dims_def != treedef:
-                raise ValueError(
-                    f"loco.compress: shard_dims has structure {dims_def}, but the gradients have {treedef}; give one "
-                    "int per gradient leaf."
-                )
-            dims = [int(d) for d in dims_leaves]
-        param_leaves = None if params is None else jax.tree.leaves(params)
-        flat_with_paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, leaves))[0]
-        paths = [jax.tree_util.keystr(p) for p, _ in flat_with_paths]
-        for i, (leaf, dim) in enumerate(zip(leaves, dims)):
-            if leaf.ndim == 0 or not 0 <= dim < leaf.ndim or leaf.shape[dim] % m:
-                raise ValueError(
-                    f"loco.compress(reduce='scatter'): gradient {paths[i]} of shape {leaf.shape} is sharded on dim "
-                    f"{dim} over {m} devices of {self.axis_name!r}; that dimension must exist and be a multiple of {m}."
-                )
-            want = coll.shard_shape(leaf.shape, dim, m)
-            if param_leaves is not None and tuple(param_leaves[i].shape) != want:
-                raise ValueError(
-                    f"loco.compress(reduce='scatter'): parameter {paths[i]} has shape {param_leaves[i].shape}, but the "
-                    f"gradient {leaf.shape} sharded on dim {dim} over {m} devices gives {want}; pass the shard-shaped "
-                    "parameters and the shard_dims they were cut with."
-                )
-        return dims
-
     def _out_dtype(self, dtype):
         # a reduced shard feeds the optimizer of fp32 parameters: never narrower than fp32
         return jnp.promote_types(dtype, jnp.float32) if self.scatter else dtype
@@ -615,13 +526,6 @@ class BucketStep(NamedTuple):
                      else lax.pmean(g, mean_axes))
             out.append(g.astype(self._out_dtype(leaf.dtype)))
         return out
-
-    def step_inputs(self, state) -> StepInputs:
-        """What one update needs besides the gradients: ``t``, whether the errors reset, the step's rounding key."""
-        t = state.count + 1
-        reset = jnp.array(False) if self.reset_every is None else (t % self.reset_every == 0)
-        step_key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
-        return StepInputs(t, reset, step_key, next_key)
 
     def _compensated(self, b, rows, slot, inputs):
         """``(h, e)``: the rows rotated (identity unless rotate; errors live in this domain) plus the stored
@@ -713,6 +617,118 @@ class BucketStep(NamedTuple):
             mean_rows = coll.fast_gather(mean_rows, self.fast_axis)
         return jax.tree.leaves(coll.unbucket(mean_rows, layout_)), slot
 
+
+class BucketStep(NamedTuple):
+    """:func:`compress`'s transformation over a gradient tree: its buckets (:meth:`layout`, :meth:`labels_of`),
+    the error buffers they keep (:meth:`init`, :meth:`slot_of`), each step's inputs (:meth:`step_inputs`),
+    every bucket's exchange in turn (``allreduce``, a :class:`BucketAllReduce`) and the non-finite rule's
+    decision and commit (:meth:`update`).
+    """
+
+    allreduce: BucketAllReduce
+    bucket_size: int | None
+    reset_every: int | None
+    shard_dims: Any
+    nonfinite: str
+    groups: Any  # compress(groups=); the quantizer's block size is the codec's
+
+    # where the buckets go, as the all-reduce sends them
+    axis_name = property(lambda self: self.allreduce.axis_name)
+    fast_axis = property(lambda self: self.allreduce.fast_axis)
+    scatter = property(lambda self: self.allreduce.scatter)
+
+    def layout(self, shapes, dims, labels, m):
+        """:func:`bucket_layout` with this transformation's settings (``m``: devices on ``axis_name``)."""
+        fast_size = coll.axis_size(self.fast_axis) if self.fast_axis is not None else None
+        return bucket_layout(shapes, dims, labels, m, block_size=self.allreduce.codec.block_size,
+                             bucket_size=self.bucket_size, scatter=self.scatter, fast_size=fast_size)
+
+    def labels_of(self, treedef, count):
+        """The ``groups`` labels of a tree (:func:`bucket_labels`)."""
+        return bucket_labels(self.groups, treedef, count)
+
+    def _init_dims(self, params):
+        if not self.scatter or self.shard_dims is None:
+            return [0] * len(jax.tree.leaves(params))
+        return [int(d) for d in jax.tree.leaves(self.shard_dims)]
+
+    def init(self, params):
+        if self.axis_name is not None:
+            specs.require_axis(self.axis_name, "loco.compress")
+        if self.fast_axis is not None:
+            specs.require_axis(self.fast_axis, "loco.compress")
+        count = jnp.zeros((), jnp.int32)
+        key = jax.random.key_data(jax.random.PRNGKey(self.allreduce.codec.seed))
+        if self.allreduce.feedback is None:
+            return CompressState(count, count, key)
+        m = coll.axis_size(self.axis_name)
+        leaves, treedef = jax.tree.flatten(params)
+        # The error buffers vary as the gradients will: over axis_name and over every axis the
+        # parameters vary over (e.g. DiLoCo's replica axis), so the updates keep the parameters' type.
+        device_axes = state_axes(leaves, self.axis_name)
+        if self.fast_axis is not None:  # hierarchical: each fast device keeps the errors of its own shard
+            device_axes = tuple(a for a in specs.manual_axes() if a in device_axes or a == self.fast_axis)
+
+        def zeros(shape, depth=None):
+            values, scales = self.allreduce.feedback.zeros(shape)
+            if depth is not None:
+                values, scales = jax.tree.map(lambda x: jnp.broadcast_to(x, (depth,) + x.shape), (values, scales))
+            return jax.tree.map(lambda x: specs.to_varying(x, device_axes), (values, scales))
+
+        dims = self._init_dims(params)
+        shapes = [tuple(leaf.shape) for leaf in leaves]
+        if self.scatter:  # init receives shards: the full gradients are m times bigger on their shard dimension
+            shapes = [tuple(n * m if k == d else n for k, n in enumerate(s)) for s, d in zip(shapes, dims)]
+        flat, stack = self.layout(shapes, dims, self.labels_of(treedef, len(leaves)), m)
+        buffers = [(cols, None) for _, cols in flat] + ([(stack[2], stack[1])] if stack else [])
+        error, error_scale, error2, error2_scale = [], [], [], []
+        for cols, depth in buffers:
+            values, scales = zeros((m, cols), depth)
+            error.append(values)
+            error_scale.append(scales)
+            if self.allreduce.compensate_second_stage:
+                values, scales = zeros((1, cols), depth)
+                error2.append(values)
+                error2_scale.append(scales)
+        return CompressState(count, count, key, tuple(error), tuple(error_scale), tuple(error2), tuple(error2_scale))
+
+    def _dims(self, treedef, leaves, params, m):
+        """Per leaf, the dimension its shard is cut on (scatter), checked against the gradients and params."""
+        if self.shard_dims is None:
+            dims = [0] * len(leaves)
+        else:
+            dims_leaves, dims_def = jax.tree.flatten(self.shard_dims)
+            if dims_def != treedef:
+                raise ValueError(
+                    f"loco.compress: shard_dims has structure {dims_def}, but the gradients have {treedef}; give one "
+                    "int per gradient leaf."
+                )
+            dims = [int(d) for d in dims_leaves]
+        param_leaves = None if params is None else jax.tree.leaves(params)
+        flat_with_paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, leaves))[0]
+        paths = [jax.tree_util.keystr(p) for p, _ in flat_with_paths]
+        for i, (leaf, dim) in enumerate(zip(leaves, dims)):
+            if leaf.ndim == 0 or not 0 <= dim < leaf.ndim or leaf.shape[dim] % m:
+                raise ValueError(
+                    f"loco.compress(reduce='scatter'): gradient {paths[i]} of shape {leaf.shape} is sharded on dim "
+                    f"{dim} over {m} devices of {self.axis_name!r}; that dimension must exist and be a multiple of {m}."
+                )
+            want = coll.shard_shape(leaf.shape, dim, m)
+            if param_leaves is not None and tuple(param_leaves[i].shape) != want:
+                raise ValueError(
+                    f"loco.compress(reduce='scatter'): parameter {paths[i]} has shape {param_leaves[i].shape}, but the "
+                    f"gradient {leaf.shape} sharded on dim {dim} over {m} devices gives {want}; pass the shard-shaped "
+                    "parameters and the shard_dims they were cut with."
+                )
+        return dims
+
+    def step_inputs(self, state) -> StepInputs:
+        """What one update needs besides the gradients: ``t``, whether the errors reset, the step's rounding key."""
+        t = state.count + 1
+        reset = jnp.array(False) if self.reset_every is None else (t % self.reset_every == 0)
+        step_key, next_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        return StepInputs(t, reset, step_key, next_key)
+
     def slot_of(self, state, b):
         """Bucket ``b``'s error buffers in ``state`` (None where this configuration keeps none)."""
         def entry(field):
@@ -735,7 +751,7 @@ class BucketStep(NamedTuple):
                 # one bucket at a time: its inputs are taken only once the previous bucket's result exists,
                 # so the fp32 working copies (conversions, transposes, rotations) of two buckets never coexist
                 group = coll.after(group, previous)
-            outs, slot = self.bucket(b, group, [dims[i] for i, _, _ in members] if self.scatter else None,
+            outs, slot = self.allreduce.bucket(b, group, [dims[i] for i, _, _ in members] if self.scatter else None,
                                 self.slot_of(state, b), inputs, axes)
             for (i, _, _), out in zip(members, outs):
                 pieces[i].append(out)
@@ -749,7 +765,7 @@ class BucketStep(NamedTuple):
 
             def layer(_, xs):
                 layer_leaves, slot, index = xs
-                return None, self.bucket(base + index, layer_leaves, layer_dims, slot, inputs, axes)
+                return None, self.allreduce.bucket(base + index, layer_leaves, layer_dims, slot, inputs, axes)
 
             _, (outs, slot) = lax.scan(layer, None, ([leaves[i] for i in stacked], self.slot_of(state, base),
                                                      jnp.arange(depth, dtype=jnp.int32)))
@@ -798,11 +814,12 @@ def _build(bits, *, axis_name, reduce, mode, reset_every, nonfinite, bucket_size
     """The Exchanger of ``compress``'s arguments, every one given (:func:`exchanger` fills compress's defaults)."""
     value = _codec_value(bits)
     _check_args(value, reduce, mode, reset_every, nonfinite, bucket_size, axis_name, fast_axis, shard_dims)
-    step = BucketStep(axis_name, fast_axis, reduce == "scatter", bucket_size, value, mode, reset_every, shard_dims,
-                      nonfinite, groups)
+    allreduce = BucketAllReduce(axis_name, fast_axis, reduce == "scatter", value, mode)
+    step = BucketStep(allreduce, bucket_size, reset_every, shard_dims, nonfinite, groups)
     return Exchanger(
         transformation=optax.GradientTransformationExtraArgs(step.init, step.update), layout=step.layout,
-        bucket=step.bucket, pipelined=step.pipelined(), send=step.send, exchange=step.exchange, receive=step.receive,
+        bucket=allreduce.bucket, pipelined=allreduce.pipelined(), send=allreduce.send, exchange=allreduce.exchange,
+        receive=allreduce.receive,
         step_inputs=step.step_inputs, slot_of=step.slot_of, labels_of=step.labels_of, axis_name=axis_name,
         codec=value,
     )

@@ -106,7 +106,7 @@ def test_diloco_takes_what_is_sent_as_one_value():
     with pytest.raises(ValueError, match="sparse exchange is diloco"):
         loco.compress(exchange.Sparse.of(0.03))
     with pytest.raises(ValueError, match="stochastic_rounding"):
-        diloco.diloco(sgd, sync_every=4, bits=loco.codec(4, stochastic_rounding=True))
+        diloco.diloco(sgd, sync_every=4, bits=loco.codec(4, format="int", stochastic_rounding=True))
     with pytest.raises(ValueError, match="error_beta=1.0"):
         diloco.diloco(sgd, sync_every=4, bits=exchange.Dense(4, beta=1.0))
     with pytest.raises(ValueError, match="sparse exchange's accumulator"):

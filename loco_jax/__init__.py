@@ -9,6 +9,7 @@ The library, which depends on jax, optax and numpy only:
 - :mod:`~loco_jax.loco`: ``loco.compress``, LoCo's error-compensated optax transformation;
 - :mod:`~loco_jax.backward`: LoCo's exchange inside the backward pass of a scanned stack;
 - :mod:`~loco_jax.diloco`: DiLoCo and Streaming DiLoCo, an outer optimizer over the ``replica`` axis;
+- :mod:`~loco_jax.islands`: replicas as separate JAX jobs whose payloads cross through JAX's transfer server;
 - :mod:`~loco_jax.sparse`: sparse payloads (each chunk's top-k entries) for DiLoCo's sparse exchange;
 - :mod:`~loco_jax.fragments`: the fragments of a parameter tree that Streaming DiLoCo syncs in turn;
 - :mod:`~loco_jax.nonfinite`: the non-finite rule, one flag per step agreed over named mesh axes;
@@ -21,9 +22,9 @@ The training application (config, mesh, data, model, trainer) is :mod:`loco_jax.
 library imports nothing from it.
 """
 
-from loco_jax import (backward, checks, collectives, diloco, exchange, fragments, fsdp, hlo, loco, nonfinite, quant,
-                      sparse, specs)
+from loco_jax import (backward, checks, collectives, diloco, exchange, fragments, fsdp, hlo, islands, loco, nonfinite,
+                      quant, sparse, specs)
 
-__all__ = ["backward", "checks", "collectives", "diloco", "exchange", "fragments", "fsdp", "hlo", "loco", "nonfinite",
-           "quant", "sparse", "specs"]
+__all__ = ["backward", "checks", "collectives", "diloco", "exchange", "fragments", "fsdp", "hlo", "islands", "loco",
+           "nonfinite", "quant", "sparse", "specs"]
 __version__ = "0.1.0"

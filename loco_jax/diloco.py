@@ -143,6 +143,7 @@ class DiLoCoState(NamedTuple):
     error: tuple = ()  # per fragment: stored outer-gradient error of this device's slice (compensate=True)
     error_scale: tuple = ()
     dropped: jax.Array | None = None  # int32 []: rounds dropped for a non-finite exchanged mean (init sets it)
+    outbox: jax.Array | None = None  # islands (as_islands): uint8 [bytes]: this device's payload of the last send
 
 
 # The apply step gathers a fragment's mean inside the replica as the exchanged codes (M payloads of a
@@ -177,12 +178,22 @@ def phase(step, *, sync_every, num_fragments=1, overlap=0):
     return Phase(send, apply)
 
 
-def schedule_phases(sync_every, num_fragments=1, overlap=0) -> list[Phase]:
+def island_phase(step, *, sync_every, num_fragments=1, overlap=1):
+    """The :class:`Phase` of inner step ``step`` for islands (:func:`as_islands`): fragment ``p`` due after
+    step ``t`` is encoded at the end of step ``t``'s program (from ``theta(t)``, the snapshot the mesh mode
+    sends in step ``t + 1``'s) and applied at the end of step ``t + tau``'s, ``tau >= 1``: its payloads
+    travel between the islands' programs while steps ``t + 1 .. t + tau`` compute."""
+    due = functools.partial(due_fragment, sync_every=sync_every, num_fragments=num_fragments)
+    return Phase(due(step), due(step - overlap))
+
+
+def schedule_phases(sync_every, num_fragments=1, overlap=0, islands=False) -> list[Phase]:
     """Every distinct :class:`Phase` of the schedule, in order of first appearance (one compiled program
     each): two periods and the overlap cover every fragment's send and apply."""
     seen = []
+    rule = island_phase if islands else phase
     for t in range(1, 2 * sync_every + overlap + 2):
-        ph = phase(t, sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
+        ph = rule(t, sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
         if ph not in seen:
             seen.append(ph)
     return seen
@@ -208,10 +219,11 @@ def traced_phase_index(t, phases, *, sync_every, num_fragments=1, overlap=0):
 
 
 def per_replica(inner_state, axis_name):
-    """The inner state as stored: each leaf varying over the replica axis, a scalar as shape ``(1,)`` (a
-    replica that skips a step keeps its own counts, and a scalar has no dim 0 to split over replicas)."""
-    return jax.tree.map(lambda x: specs.to_varying(x.reshape((1,) if x.ndim == 0 else x.shape), (axis_name,)),
-                        inner_state)
+    """The inner state as stored: each leaf varying over the replica axis (None: an island, which has none),
+    a scalar as shape ``(1,)`` (a replica that skips a step keeps its own counts, and a scalar has no dim 0 to
+    split over replicas)."""
+    axes = () if axis_name is None else (axis_name,)
+    return jax.tree.map(lambda x: specs.to_varying(x.reshape((1,) if x.ndim == 0 else x.shape), axes), inner_state)
 
 
 def replica_finite(tree, axis_name):
@@ -235,6 +247,23 @@ class Exchange(NamedTuple):
     codec: Any  # exchange.Exact | exchange.Dense | exchange.Sparse
     mode: str  # a dense payload's collective: "two_stage" or "all_gather" (a sparse one's is an all_gather)
     keep_unsent: bool = False  # the accumulator rides in the local parameters (sparse_mean, diloco(keep_unsent))
+    islands: int | None = None  # M islands (as_islands): no replica axis; the payloads cross between programs
+
+    @property
+    def replica_axis(self) -> str | None:
+        """The mesh axis the replicas meet on; None for islands."""
+        return None if self.islands else self.axis_name
+
+    def replicas(self) -> int:
+        """``M``: the islands, or the devices of the replica axis."""
+        return self.islands or coll.axis_size(self.axis_name)
+
+    def payload_shape(self, p: int, k: int, layout=None) -> tuple:
+        """The shape of one replica's :meth:`encode` payload of fragment ``p``'s ``k``-value slice."""
+        feedback = self.codec.feedback
+        errors = (None, None) if feedback is None else feedback.zeros((1, k))
+        return jax.eval_shape(lambda x: self.encode(x, p, 1, *errors, layout=layout)[0],
+                              jax.ShapeDtypeStruct((k,), jnp.float32)).shape
 
     @property
     def sparse(self) -> bool:
@@ -311,17 +340,19 @@ class Exchange(NamedTuple):
         if self.codec.bits is None:
             return coll.on_own_stream(lambda: lax.pmean(slice_f32, axis_name)), None, None
         cfg = self.codec.quant
+        if self.mode == "all_gather":
+            payload, stored, finish = self.encode(slice_f32, p, m, error, error_scale, never)
+            gathered = coll.on_own_stream(lambda: lax.all_gather(payload, axis_name, axis=0, tiled=True,
+                                                                 to="invarying"))
+            return cfg.rotate_out(finish(gathered)[None], p)[0], stored, (gathered, finish)
         h = cfg.rotate_in(slice_f32[None], p)[0]  # with rotate, the error lives in fragment p's rotated domain
         if feedback is not None:
             e = feedback.load(error, error_scale)[0]
             h = feedback.compensate(h, e, never)
-        if self.mode == "all_gather":
-            _, sent, gathered = coll.all_gather_sum(h[None], axis_name, cfg, own_stream=True, with_payloads=True)
-            finish, sent = (lambda g, _=0: cfg.decode(g, h.shape[0]).sum(axis=0) / m), sent[0]
-        else:
-            chunk, sent = coll.reduce_scatter_rows(h.reshape(m, -1), axis_name, cfg, own_stream=True)
-            _, _, gathered = coll.all_gather_chunk(chunk / m, axis_name, cfg, own_stream=True, with_payloads=True)
-            finish, sent = (lambda g, _=0: cfg.decode(g, chunk.shape[0]).reshape(-1)), sent.reshape(-1)
+        # the two-stage form: a reduce-scatter, then the all-gather of the re-quantized chunks
+        chunk, sent = coll.reduce_scatter_rows(h.reshape(m, -1), axis_name, cfg, own_stream=True)
+        _, _, gathered = coll.all_gather_chunk(chunk / m, axis_name, cfg, own_stream=True, with_payloads=True)
+        finish, sent = (lambda g, _=0: cfg.decode(g, chunk.shape[0]).reshape(-1)), sent.reshape(-1)
         mean = cfg.rotate_out(finish(gathered)[None], p)[0]
         stored = None if feedback is None else feedback.update(e[None], h[None], sent[None], never)
         return mean, stored, (gathered, finish)
@@ -350,20 +381,44 @@ class Exchange(NamedTuple):
         ``layout`` (chunks that follow the leaves): the slice is in its tiled order, each class of chunks
         with its own ``k`` (:class:`loco_jax.sparse.TiledSparse`).
         """
-        m, feedback = coll.axis_size(self.axis_name), self.codec.feedback
-        e = None
-        if self.keep_unsent:  # the replica's parameters already hold beta e
-            acc = slice_f32
-        else:
-            e = feedback.load(error, error_scale)[0]
-            acc = feedback.compensate(slice_f32, e, never)
-        if layout is None:
-            code, own = self.codec.code, 0
-        else:  # a tiled slice's payload depends on which data device sends it (binmean's per-leaf statistics)
-            code = _tiled_sparse(layout, self.codec.code)
-            own = lax.axis_index(self.data_axis) if self.data_size() > 1 else 0
-        payload, sent = code.encode(acc) if layout is None else code.encode(acc, own)
+        m = coll.axis_size(self.axis_name)
+        own = lax.axis_index(self.data_axis) if layout is not None and self.data_size() > 1 else 0
+        payload, new, finish = self.encode(slice_f32, 0, m, error, error_scale, never, layout, own)
         gathered = coll.on_own_stream(lambda: lax.all_gather(payload, self.axis_name, axis=0, to="invarying"))
+        return finish(gathered, own), new, (gathered, finish)
+
+    def encode(self, slice_f32, p: int, m: int, error=None, error_scale=None, never=False, layout=None, own=0):
+        """This replica's side of :meth:`mean` (the dense exchange's ``all_gather`` form, or the sparse one),
+        with no collective: ``(payload, new stored error or None, finish)``.
+
+        ``payload`` is the ``uint8`` array that crosses to the other ``m`` replicas; ``finish(gathered, j=0)``
+        is the mean of their payloads, ``gathered`` holding one per replica in replica order (:meth:`combine`:
+        the rows the mesh mode's ``all_gather`` over ``axis_name`` holds), in the rotated domain of a rotated
+        dense exchange. The mesh mode gathers over ``axis_name``; the islands mode moves the payloads through
+        the transfer server (:mod:`loco_jax.islands`). ``own``: this data device's index (tiled sparse chunks).
+        """
+        feedback = self.codec.feedback
+        if self.sparse:
+            return self._encode_sparse(slice_f32, m, error, error_scale, never, layout, own)
+        cfg = self.codec.quant
+        h = cfg.rotate_in(slice_f32[None], p)[0]  # with rotate, the error lives in fragment p's rotated domain
+        e = None
+        if feedback is not None:
+            e = feedback.load(error, error_scale)[0]
+            h = feedback.compensate(h, e, never)
+        payload = cfg.encode(h[None])
+        sent = cfg.decode(payload, h.shape[0])[0]
+        stored = None if feedback is None else feedback.update(e[None], h[None], sent[None], never)
+        return payload, stored, self.decoder(m, h.shape[0])
+
+    def decoder(self, m: int, k: int, layout=None):
+        """``finish(gathered, j=0)``: the mean of ``m`` replicas' :meth:`encode` payloads of ``k``-value slices
+        (``gathered``: :meth:`combine`'s rows; ``j``: the data device that sent them, for tiled sparse chunks),
+        in a rotated dense exchange's rotated domain."""
+        if not self.sparse:
+            cfg = self.codec.quant
+            return lambda g, _=0: cfg.decode(g, k).sum(axis=0) / m
+        code = self.codec.code if layout is None else _tiled_sparse(layout, self.codec.code)
 
         def finish(g, j=0):  # (M, ..., bytes) from data device j -> the mean of the M decoded slices
             args = () if layout is None else (j,)
@@ -372,8 +427,26 @@ class Exchange(NamedTuple):
                 return values.sum(axis=0) / jnp.maximum(held.sum(axis=0), 1.0)
             return code.decode(g, *args).sum(axis=0) / m
 
+        return finish
+
+    def combine(self, payloads):
+        """The ``M`` replicas' payloads of :meth:`encode`, in replica order, as the mesh mode's ``all_gather``
+        holds them (dense: rows concatenated; sparse: stacked)."""
+        return jnp.stack(payloads) if self.sparse else jnp.concatenate(payloads, axis=0)
+
+    def _encode_sparse(self, slice_f32, m, error, error_scale, never, layout, own):
+        feedback = self.codec.feedback
+        e = None
+        if self.keep_unsent:  # the replica's parameters already hold beta e
+            acc = slice_f32
+        else:
+            e = feedback.load(error, error_scale)[0]
+            acc = feedback.compensate(slice_f32, e, never)
+        # a tiled slice's payload depends on which data device sends it (binmean's per-leaf statistics)
+        code = self.codec.code if layout is None else _tiled_sparse(layout, self.codec.code)
+        payload, sent = code.encode(acc) if layout is None else code.encode(acc, own)
         new = feedback.update(None if e is None else e[None], acc[None], sent[None], never)
-        return finish(gathered, own), new, (gathered, finish)
+        return payload, new, self.decoder(m, acc.shape[0], layout)
 
 
 def merge(plan, p, mean_delta, global_params, local, outer, outer_state, alpha, delivered, restart=None):
@@ -615,10 +688,18 @@ class DiLoCo(optax.GradientTransformationExtraArgs):
         return tx
 
     def phase(self, step: int) -> Phase:
-        return phase(step, **self.loop.schedule)
+        return (island_phase if self.loop.ex.islands else phase)(step, **self.loop.schedule)
 
     def phases(self) -> list[Phase]:
-        return schedule_phases(**self.loop.schedule)
+        return schedule_phases(**self.loop.schedule, islands=bool(self.loop.ex.islands))
+
+    def payload_bytes(self, params, p: int, d: int = 1) -> int:
+        """Islands: the bytes of one data device's payload of fragment ``p`` (the head of its ``outbox``),
+        for an island of ``d`` data devices (``params``: one island's)."""
+        loop, plan = self.loop, self.plan(params)
+        layout = loop.layouts(plan, params, d)[p]
+        k = loop.ex.slice_len(plan.fragment_sizes()[p], d, loop.ex.replicas(), layout)
+        return math.prod(loop.ex.payload_shape(p, k, layout))
 
     def plan(self, params) -> frag.FragmentPlan:
         """The fragment plan of ``params`` (cached per tree structure and shapes); refuses a tree it cannot
@@ -652,10 +733,13 @@ class OuterLoop(NamedTuple):
     def init(self, params):
         """The state: inner state per replica, global parameters (the replicas' mean), one outer state per
         fragment, step counts, the in-flight slot and the error buffers (module docstring)."""
-        specs.require_axis(self.ex.axis_name, "diloco")
+        islands, axis = self.ex.islands, self.ex.replica_axis
+        if not islands:
+            specs.require_axis(axis, "diloco")
         plan = self.plan_of(params)
-        d, m = self.ex.data_size(), coll.axis_size(self.ex.axis_name)
-        global_params = jax.tree.map(lambda x: lax.pmean(x, self.ex.axis_name), params)
+        d, m = self.ex.data_size(), self.ex.replicas()
+        # islands start from the same parameters (the same seed on each): theirs are the global ones
+        global_params = params if islands else jax.tree.map(lambda x: lax.pmean(x, axis), params)
         outer_states = tuple(self.outer.init(plan.select(global_params, p)) for p in range(self.num_fragments))
         layouts = self.layouts(plan, params, d)
         k = [self.ex.slice_len(s, d, m, lay) for s, lay in zip(plan.fragment_sizes(), layouts)]
@@ -666,16 +750,21 @@ class OuterLoop(NamedTuple):
         # themselves vary over besides the replica axis (FSDP shards)
         slot_axes = set(a for a in (self.ex.data_axis,) if a in device_axes)
         slot_axes |= set().union(*(specs.varying_axes(x) for x in jax.tree.leaves(params))) - {self.ex.axis_name}
-        inflight = specs.to_varying(jnp.zeros((held,), jnp.float32), tuple(a for a in device_axes if a in slot_axes))
+        slot_axes = tuple(a for a in device_axes if a in slot_axes)
+        inflight = specs.to_varying(jnp.zeros((held,), jnp.float32), slot_axes)
         error, error_scale = (), ()
         feedback = self.ex.codec.feedback
         if feedback is not None:
             stored = [jax.tree.map(lambda x: specs.to_varying(x, device_axes), feedback.zeros((1, kp))) for kp in k]
             error, error_scale = tuple(s[0] for s in stored), tuple(s[1] for s in stored)
         zero = jnp.zeros((), jnp.int32)
-        skipped = specs.to_varying(jnp.zeros((1,), jnp.int32), (self.ex.axis_name,))  # one count per replica
-        return DiLoCoState(per_replica(self.inner.init(params), self.ex.axis_name), global_params, outer_states, zero,
-                           skipped, inflight, error, error_scale, zero)
+        skipped = specs.to_varying(jnp.zeros((1,), jnp.int32), () if islands else (axis,))  # one count per replica
+        outbox = None
+        if islands:  # room for the largest fragment's payload
+            most = max(math.prod(self.ex.payload_shape(p, kp, lay)) for p, (kp, lay) in enumerate(zip(k, layouts)))
+            outbox = specs.to_varying(jnp.zeros((most,), jnp.uint8), slot_axes)
+        return DiLoCoState(per_replica(self.inner.init(params), axis), global_params, outer_states, zero,
+                           skipped, inflight, error, error_scale, zero, outbox)
 
     def layouts(self, plan, params, d):
         """Each fragment's tile layout (chunks that follow the leaves; else Nones), from its pieces' shapes
@@ -691,11 +780,12 @@ class OuterLoop(NamedTuple):
         own = jax.eval_shape(self.inner.init, params)  # the inner state's own shapes (scalars are stored as (1,))
         inner_in = jax.tree.map(lambda x, a: x.reshape(a.shape), state.inner, own)
         # replicas train alone: the inner optimizer's decisions are agreed within this replica only
-        extra = dict(extra, **{INDEPENDENT: tuple(extra.get(INDEPENDENT, ())) + (self.ex.axis_name,)})
+        axis = self.ex.replica_axis
+        extra = dict(extra, **{INDEPENDENT: tuple(extra.get(INDEPENDENT, ())) + ((axis,) if axis else ())})
         updates, new_inner = self.inner.update(grads, inner_in, params, **extra)
         ok = replica_finite((grads, updates), self.ex.axis_name)
         updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
-        kept = select(ok, per_replica(new_inner, self.ex.axis_name), state.inner)
+        kept = select(ok, per_replica(new_inner, axis), state.inner)
         return optax.apply_updates(params, updates), kept, ok
 
     def step(self, ph: Phase, grads, state, params, extra):
@@ -753,6 +843,50 @@ class OuterLoop(NamedTuple):
             state.skipped + (~inner_ok).astype(jnp.int32), inflight, tuple(error), tuple(error_scale), dropped,
         )
 
+    def island_step(self, ph: Phase, grads, state, params, extra):
+        """One step of an island (:func:`as_islands`): the inner step; fragment ``ph.send``'s payload encoded
+        from ``theta(t)`` into ``outbox`` (its error fed back now); fragment ``ph.apply``'s mean decoded from
+        ``extra["inbox"]`` (every island's payload of it, ``(M, bytes)``, in island order) and merged, as the
+        mesh mode merges it. A non-finite mean drops the round, as there; the error was fed back at the send."""
+        inbox = extra.pop("inbox", None)
+        plan, d, m = self.plan_of(params), self.ex.data_size(), self.ex.islands
+        sizes, layouts = plan.fragment_sizes(), self.layouts(plan, params, d)
+        local, inner_state, inner_ok = self.inner_step(grads, state, params, extra)
+        global_params, outer_states, outbox = state.global_params, list(state.outer), state.outbox
+        error, error_scale, dropped = list(state.error), list(state.error_scale), state.dropped
+        k = lambda p: self.ex.slice_len(sizes[p], d, m, layouts[p])
+        own = lambda p: lax.axis_index(self.ex.data_axis) if layouts[p] is not None and d > 1 else 0
+        if ph.send is not None:
+            p = ph.send
+            delta = coll.after(plan.extract(global_params, p) - plan.extract(local, p), local)
+            if layouts[p] is not None:  # chunks that follow the leaves: the slices are in tiled order
+                delta = layouts[p].tiled(delta)
+            stored_error = (error[p], error_scale[p]) if error else (None, None)
+            payload, stored, _ = self.ex.encode(self.ex.my_slice(delta, k(p), d), p, m, *stored_error,
+                                                never=state.step < 0, layout=layouts[p], own=own(p))
+            if stored is not None:
+                error[p], error_scale[p] = stored
+            outbox = jnp.pad(payload.reshape(-1), (0, outbox.shape[0] - payload.size))
+        if ph.apply is not None:
+            p = ph.apply
+            if inbox is None:
+                raise ValueError(f"phase {ph} applies fragment {p}: pass every island's payload of it, "
+                                 "update(..., phase=phase, inbox=<(M, bytes) uint8>).")
+            shape = self.ex.payload_shape(p, k(p), layouts[p])
+            rows = inbox[:, :math.prod(shape)]
+            gathered = self.ex.combine([rows[j].reshape(shape) for j in range(m)])
+            mean_slice = self.ex.codec.rotate_out(self.ex.decoder(m, k(p), layouts[p])(gathered, own(p))[None], p)[0]
+            delivered = replica_finite(mean_slice, self.ex.axis_name)
+            dropped = dropped + (~delivered).astype(jnp.int32)
+            mean_delta = self.ex.gather_slices(coll.after(mean_slice, delivered), sizes[p], d, layouts[p])
+            global_params, local, outer_states[p] = merge(plan, p, mean_delta, global_params, local, self.outer,
+                                                          outer_states[p], self.alpha, delivered)
+        updates = jax.tree.map(lambda new, old: new - old, local, params)
+        return updates, DiLoCoState(
+            inner_state, global_params, tuple(outer_states), state.step + 1,
+            state.skipped + (~inner_ok).astype(jnp.int32), state.inflight, tuple(error), tuple(error_scale), dropped,
+            outbox)
+
     def whole_mean(self, p, mean_slice, codes, delivered, size, d, k, layout):
         """Fragment ``p``'s whole mean on every device of the replica, from this device's slice. The
         exchanged codes move where they are fewer bytes than the fp32 slice (held across steps, tau >= 2,
@@ -776,6 +910,11 @@ class OuterLoop(NamedTuple):
         ``lax.switch`` on the traced step count."""
         if params is None:
             raise ValueError("diloco.update needs params: call tx.update(grads, state, params).")
+        if self.ex.islands:
+            if not isinstance(phase, Phase):
+                raise ValueError(f"phase={phase!r}: an island's update takes its static phase, tx.phase(step) "
+                                 "(its payloads cross between programs, not inside one).")
+            return self.island_step(phase, grads, state, params, dict(extra))
         specs.require_axis(self.ex.axis_name, "diloco")
         if phase is not None:
             if not isinstance(phase, Phase):
@@ -857,6 +996,32 @@ def diloco(
     loop = OuterLoop(optax.with_extra_args_support(inner), outer, ex, num_fragments, overlap, alpha, schedule,
                      plan_of)
     return DiLoCo(loop)
+
+
+def as_islands(tx: DiLoCo, islands: int) -> DiLoCo:
+    """``tx`` run as one of ``islands`` separate JAX jobs (:mod:`loco_jax.islands`), with no ``replica`` axis.
+
+    Its programs are the mesh mode's with the exchange cut at its collective: fragment ``p`` due after step
+    ``t`` is encoded at the end of step ``t`` into ``state.outbox`` (the head of it:
+    :meth:`DiLoCo.payload_bytes`); the host offers it to the other islands and pulls theirs while steps
+    ``t + 1 .. t + tau`` run; step ``t + tau``'s ``update(..., phase=tx.phase(t + tau), inbox=...)`` takes the
+    ``M`` payloads in island order and merges their mean (:func:`island_phase`). The mean, the outer step
+    and the merge are the mesh mode's with overlap ``tau``, to the bit (``tests/test_islands.py``).
+    Needs ``overlap >= 1`` (a payload leaves a program only when it ends) and a quantized exchange (dense in
+    the ``all_gather`` form, or sparse); ``keep_unsent`` is not built for islands.
+    """
+    loop = tx.loop
+    if not is_int(islands) or islands < 1:
+        raise ValueError(f"islands={islands!r} must be a positive int: the number of islands (replicas).")
+    if loop.overlap < 1:
+        raise ValueError(f"islands need overlap >= 1 (this DiLoCo has overlap={loop.overlap}): a payload leaves "
+                         "a program only when it ends, so it is applied one step later at the earliest.")
+    if loop.ex.codec.bits is None or (not loop.ex.sparse and loop.ex.mode != "all_gather"):
+        raise ValueError(f"islands exchange quantized payloads in the all_gather form (bits set, mode='all_gather', "
+                         f"or a sparse exchange); this DiLoCo has bits={loop.ex.codec.bits}, mode={loop.ex.mode!r}.")
+    if loop.ex.keep_unsent:
+        raise ValueError("keep_unsent is not built for islands: its restart is made in the program that exchanges.")
+    return DiLoCo(loop._replace(ex=loop.ex._replace(islands=int(islands))))
 
 
 def _split(flat, like):

@@ -400,10 +400,10 @@ def test_bad_labels_and_unbound_axis_raise(mesh):
         diloco.state_specs(tx, put(mesh, replicate(params), P("replica")), mesh)
 
 
-def _nan_outer_gradient_on_replica_0(all_gather_sum):
-    """``collectives.all_gather_sum`` whose operand is NaN on replica 0: that replica's outer gradient, in flight."""
-    def poisoned(x, axis_name, *args, **kwargs):
-        return all_gather_sum(jnp.where(lax.axis_index("replica") == 0, jnp.nan, x), axis_name, *args, **kwargs)
+def _nan_outer_gradient_on_replica_0(encode):
+    """``diloco.Exchange.encode`` whose slice is NaN on replica 0: that replica's outer gradient, in flight."""
+    def poisoned(self, slice_f32, *args, **kwargs):
+        return encode(self, jnp.where(lax.axis_index("replica") == 0, jnp.nan, slice_f32), *args, **kwargs)
     return poisoned
 
 
@@ -419,7 +419,7 @@ def test_a_nonfinite_exchange_drops_that_fragments_round_on_every_replica(mesh, 
     for t in range(1, 23):
         if t == bad:
             with monkeypatch.context() as patch:  # only step 13's program is traced with the fault
-                patch.setattr(collectives, "all_gather_sum", _nan_outer_gradient_on_replica_0(collectives.all_gather_sum))
+                patch.setattr(diloco.Exchange, "encode", _nan_outer_gradient_on_replica_0(diloco.Exchange.encode))
                 dropped._programs.pop(dropped.tx.phase(t), None)
                 dropped.step(t, xs[t - 1], ys[t - 1])
                 dropped._programs.pop(dropped.tx.phase(t))

@@ -30,7 +30,7 @@ import pytest
 from jax import lax
 
 from loco_jax.training import model as model_lib
-from loco_jax import collectives, diloco
+from loco_jax import diloco
 from loco_jax.training.run.loop import train_and_evaluate
 from loco_jax.training.run.metrics import read_metrics
 from loco_jax.training.run.steps import train_step
@@ -65,11 +65,12 @@ class _Batches:
 _OUTER_FAULT = {}  # while a step traces: the flag that poisons this replica's outer gradient as it is sent
 
 
-def _poisoned_all_gather_sum(all_gather_sum):
-    def poisoned(x, axis_name, *args, **kwargs):
+def _poisoned_encode(encode):
+    """``diloco.Exchange.encode`` whose slice is NaN where the traced fault flag is on (this replica's)."""
+    def poisoned(self, slice_f32, *args, **kwargs):
         if "on" in _OUTER_FAULT:
-            x = jnp.where(_OUTER_FAULT["on"], jnp.nan, x)
-        return all_gather_sum(x, axis_name, *args, **kwargs)
+            slice_f32 = jnp.where(_OUTER_FAULT["on"], jnp.nan, slice_f32)
+        return encode(self, slice_f32, *args, **kwargs)
     return poisoned
 
 
@@ -117,7 +118,7 @@ def _run(monkeypatch, cfg, workdir, *, corrupt=None, drop=False, stop_after=None
     monkeypatch.setattr(Dataset, "train_iterator",
                         lambda self, seed, state=None: _Batches(original(self, seed, state), BAD_STEP, corrupt, drop))
     monkeypatch.setattr(steps, "train_step", _poisoning_train_step)
-    monkeypatch.setattr(collectives, "all_gather_sum", _poisoned_all_gather_sum(collectives.all_gather_sum))
+    monkeypatch.setattr(diloco.Exchange, "encode", _poisoned_encode(diloco.Exchange.encode))
     logs = []
     try:
         summary = train_and_evaluate(cfg, str(workdir), log=logs.append, stop_after=stop_after)

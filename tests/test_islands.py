@@ -112,6 +112,8 @@ CODECS = {
     "dense 4-bit compensated": lambda: diloco.codec(4, compensate=True),
     "dense 2-bit": lambda: diloco.codec(2),
     "dense 4-bit unrotated": lambda: diloco.codec(4, compensate=True, rotate=False, format="int"),
+    "dense 4-bit lloyd unrotated": lambda: diloco.codec(4, compensate=True, rotate=False, format="lloyd"),
+    "dense 4-bit int rotated": lambda: diloco.codec(4, compensate=True, rotate=True, format="int"),
     "sparse over senders": lambda: exchange.Sparse.of(1 / 16, chunk=256, decay=0.9),
     "sparse over replicas": lambda: exchange.Sparse.of(1 / 16, chunk=256, average_over="replicas"),
 }
@@ -203,9 +205,9 @@ def test_islands_train_to_the_mesh_modes_parameters(kind, overlap, exact):
     """Streaming DiLoCo (H = 9, 3 fragments, Nesterov outer step, alpha 0.5) for 20 steps on the (2, 4) mesh,
     and the same run as 2 islands of 4 devices each whose payloads the host hands over between programs: the
     same global parameters and the same local parameters on every island after every round. To the bit
-    without a rotation (dense int payloads; the sparse exchange); with the randomized Hadamard rotation (the
-    default 4-bit codec) the two programs round the rotation's float32 matmuls apart by an ulp from the second
-    fragment's first round on (the same run unrotated is bit-identical), held here to float32 rounding."""
+    for dense int payloads and the sparse exchange; the default 4-bit codec (lloyd levels fitted on rotated
+    blocks) rounds apart by an ulp from the second fragment's first round on, held here to float32 rounding
+    (lloyd unrotated and int rotated are each bit-identical: docs/results.md, "Islands, first part")."""
     from tests.helpers import D, M, Run, inner_adamw, local, make_data
 
     make = lambda: diloco.diloco(inner_adamw(), sync_every=9, num_fragments=3, overlap=overlap, alpha=0.5,

@@ -52,7 +52,7 @@ def data_mesh():
 # (xdist's own reorder puts files with the most tests first: the heavy end-to-end files, with few tests, last).
 HEAVIEST_FIRST = (
     "test_trainer.py", "test_elastic.py", "test_sync_steps.py", "test_backward.py", "test_sparse.py", "test_diloco.py",
-    "test_failures.py", "test_loco.py", "test_fsdp.py", "test_faults.py", "test_gpu_schedule.py",
+    "test_failures.py", "test_loco.py", "test_fsdp.py", "test_faults.py", "test_islands.py", "test_gpu_schedule.py",
     "test_defaults.py", "test_formats.py", "test_model.py", "test_async.py", "test_sample.py",
     "test_validation.py", "test_muon.py", "test_collectives.py", "test_quant.py", "test_properties.py",
 )

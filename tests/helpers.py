@@ -262,3 +262,39 @@ def plain_inner(xs, ys, steps, tx):
         updates, state = tx.update(jax.grad(loss_fn)(params, x, y), state, params)
         params = optax.apply_updates(params, updates)
     return params
+
+
+class Island:
+    """One island of the (2, 4) mesh's DiLoCo run: replica ``r`` as a job of its own (a ``data`` mesh of 4
+    devices, no replica axis), its payloads handed to the other islands by the host. The islands of one test
+    share their devices and compiled ``programs`` (they run one after the other here)."""
+
+    def __init__(self, tx, r, devices, programs):
+        self.tx, self.r = tx, r
+        self.mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
+        self.params = put(self.mesh, make_params(), P())
+        self.specs = diloco.state_specs(tx, self.params, self.mesh, in_specs=P())
+        self.state = jax.jit(jax.shard_map(tx.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs))(self.params)
+        self.programs = programs
+
+    def body(self, params, state, x, y, inbox, phase):
+        grads = jax.grad(loss_fn)(jax.lax.pcast(params, "data", to="varying"), x, y)
+        updates, state = self.tx.update(grads, state, params, phase=phase, inbox=inbox)
+        return jax.tree.map(lambda a, b: a + b, params, updates), state
+
+    def step(self, t, x, y, inbox):
+        ph = self.tx.phase(t)
+        if ph not in self.programs:
+            fn = lambda *a, ph=ph: self.body(*a, phase=ph)
+            self.programs[ph] = jax.jit(jax.shard_map(
+                fn, mesh=self.mesh, in_specs=(P(), self.specs, P("data"), P("data"), P(None, "data")),
+                out_specs=(P(), self.specs)))
+        put_rows = lambda a: put(self.mesh, a, P("data"))
+        self.params, self.state = jax.block_until_ready(self.programs[ph](
+            self.params, self.state, put_rows(x), put_rows(y), put(self.mesh, inbox, P(None, "data"))))
+
+    def payload(self, p):
+        """This island's payload of fragment ``p``: each data device's head of its outbox, ``(D, bytes)``."""
+        d = self.mesh.shape["data"]
+        nb = self.tx.payload_bytes(jax.tree.map(np.asarray, self.params), p, d)
+        return np.asarray(self.state.outbox).reshape(d, -1)[:, :nb]

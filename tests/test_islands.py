@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from loco_jax import diloco, exchange, islands
-from tests.helpers import ROOT, free_port, put, subprocess_env
+from tests.helpers import ROOT, Island, free_port, put, subprocess_env
 
 WORKER = r'''
 import json, sys, time
@@ -160,46 +160,6 @@ def test_an_islands_exchange_is_the_mesh_modes_to_the_bit(m, kind):
     assert np.abs(np.asarray(mean)).max() > 0 and {np.dtype(p.dtype) for p in payloads} == {np.dtype(np.uint8)}
 
 
-class Island:
-    """One island of the (2, 4) mesh's DiLoCo run: replica ``r`` as a job of its own (a ``data`` mesh of 4
-    devices, no replica axis), its payloads handed to the other islands by the host. The islands of one test
-    share their devices and compiled ``programs`` (they run one after the other here)."""
-
-    def __init__(self, tx, r, devices, programs):
-        from tests.helpers import make_params
-
-        self.tx, self.r = tx, r
-        self.mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
-        self.params = put(self.mesh, make_params(), P())
-        self.specs = diloco.state_specs(tx, self.params, self.mesh, in_specs=P())
-        self.state = jax.jit(jax.shard_map(tx.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs))(self.params)
-        self.programs = programs
-
-    def body(self, params, state, x, y, inbox, phase):
-        from tests.helpers import loss_fn
-
-        grads = jax.grad(loss_fn)(jax.lax.pcast(params, "data", to="varying"), x, y)
-        updates, state = self.tx.update(grads, state, params, phase=phase, inbox=inbox)
-        return jax.tree.map(lambda a, b: a + b, params, updates), state
-
-    def step(self, t, x, y, inbox):
-        ph = self.tx.phase(t)
-        if ph not in self.programs:
-            fn = lambda *a, ph=ph: self.body(*a, phase=ph)
-            self.programs[ph] = jax.jit(jax.shard_map(
-                fn, mesh=self.mesh, in_specs=(P(), self.specs, P("data"), P("data"), P(None, "data")),
-                out_specs=(P(), self.specs)))
-        put_rows = lambda a: put(self.mesh, a, P("data"))
-        self.params, self.state = jax.block_until_ready(self.programs[ph](
-            self.params, self.state, put_rows(x), put_rows(y), put(self.mesh, inbox, P(None, "data"))))
-
-    def payload(self, p):
-        """This island's payload of fragment ``p``: each data device's head of its outbox, ``(D, bytes)``."""
-        d = self.mesh.shape["data"]
-        nb = self.tx.payload_bytes(jax.tree.map(np.asarray, self.params), p, d)
-        return np.asarray(self.state.outbox).reshape(d, -1)[:, :nb]
-
-
 @pytest.mark.parametrize("kind,overlap,exact", [("dense 4-bit unrotated", 1, True), ("sparse over senders", 2, True),
                                                  ("dense 4-bit compensated", 1, False)])
 def test_islands_train_to_the_mesh_modes_parameters(kind, overlap, exact):
@@ -242,3 +202,67 @@ def test_islands_train_to_the_mesh_modes_parameters(kind, overlap, exact):
                 for a, b in zip(jax.tree.leaves(local(run.params, r)), jax.tree.leaves(isle.params)):
                     same(a, np.asarray(b))
     assert rounds >= 4 and int(isles[0].state.dropped) == 0
+
+
+TRAINER = r'''
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # one island: 4 data devices
+import numpy as np
+import jax, jax.numpy as jnp, optax
+from loco_jax import diloco, islands
+from tests.helpers import BATCH, D, M, Island, inner_adamw, make_data
+
+r, addresses, out, steps = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], int(sys.argv[4])
+tx = diloco.as_islands(diloco.diloco(inner_adamw(), sync_every=9, num_fragments=3, overlap=2, alpha=0.5,
+                                     bits=diloco.codec(4, compensate=True, rotate=False, format="int"),
+                                     outer=optax.sgd(0.7, momentum=0.9, nesterov=True)), M)
+peers = islands.Peers(r, addresses, fingerprint={"sync_every": 9, "fragments": 3, "overlap": 2, "bits": 4})
+peers.handshake(timeout=120)
+isle = Island(tx, r, jax.devices()[:D], {})
+xs, ys = make_data(steps)
+pending, own, rounds = {}, {}, []
+for t in range(1, steps + 1):
+    ph = tx.phase(t)
+    inbox = np.zeros((M, D), np.uint8)
+    if ph.apply is not None:  # every island's payload of it, this island's own at its index
+        got = pending.pop(ph.apply).wait(120)
+        inbox = np.stack([(own[ph.apply] if j == r else np.asarray(got[j])).reshape(-1) for j in range(M)])
+        rounds.append(t)
+    rows = slice(r * D * BATCH, (r + 1) * D * BATCH)
+    isle.step(t, xs[t - 1][rows], ys[t - 1][rows], inbox)
+    if ph.send is not None:  # offered and pulled while the next steps compute; the round is the send's step
+        own[ph.send] = isle.payload(ph.send)
+        peers.offer(t, jax.device_put(own[ph.send], jax.devices()[0]))
+        pending[ph.send] = peers.pull(t, jax.ShapeDtypeStruct(own[ph.send].shape, jnp.uint8))
+leaves = [np.asarray(x).tolist() for x in jax.tree.leaves(isle.state.global_params)]
+json.dump({"global": leaves, "rounds": rounds}, open(out, "w"))
+'''
+
+
+def test_two_islands_train_through_the_transfer_server_to_the_mesh_modes_parameters(tmp_path):
+    """Two processes, each one island of 4 devices, train 20 steps of Streaming DiLoCo (H = 9, 3 fragments,
+    overlap 2, dense int payloads) with their payloads crossing through the transfer server while the next
+    steps run: both end with the mesh mode's global parameters, to the bit."""
+    from tests.helpers import D, M, Run, inner_adamw, make_data
+
+    script = tmp_path / "island_trainer.py"
+    script.write_text(TRAINER)
+    addresses = ",".join(f"127.0.0.1:{free_port()}" for _ in range(M))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), addresses, str(tmp_path / f"g{r}.json"), "20"],
+                              cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(M)]
+    logs = [p.communicate(timeout=600)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0] * M, logs
+    results = [json.loads((tmp_path / f"g{r}.json").read_text()) for r in range(M)]
+    run = Run(jax.make_mesh((M, D), ("replica", "data")), diloco.diloco(
+        inner_adamw(), sync_every=9, num_fragments=3, overlap=2, alpha=0.5,
+        bits=diloco.codec(4, compensate=True, rotate=False, format="int"),
+        outer=optax.sgd(0.7, momentum=0.9, nesterov=True)))
+    xs, ys = make_data(20)
+    for t in range(1, 21):
+        run.step(t, xs[t - 1], ys[t - 1])
+    want = [np.asarray(x) for x in jax.tree.leaves(diloco.global_params(run.state))]
+    assert results[0]["rounds"] == results[1]["rounds"] and len(results[0]["rounds"]) >= 4
+    for result in results:
+        for a, b in zip(want, result["global"]):
+            np.testing.assert_array_equal(a, np.asarray(b, np.float32))

@@ -1,8 +1,8 @@
 """Sparse Streaming DiLoCo: 2 replicas x 4 data devices, 3 fragments, overlap 1, 3 % of each chunk sent.
 
 The sparse outer exchange (the config's diloco.density: exchange.Sparse.of(density, ...)): of every 4,096
-entries of a fragment's outer gradient, the 123 largest of an fp32 error-feedback accumulator, their values at 2 bits, their positions at
-12 bits (0.43 bits per value), each entry of the mean divided by the replicas that sent it (the default,
+entries of a fragment's outer gradient, the 123 largest of an fp32 error-feedback accumulator, their values
+at 2 bits, their positions at 12 bits (0.43 bits per value), each entry of the mean divided by the replicas that sent it (the default,
 average_over="senders", as SparseLoCo's code aggregates), with SparseLoCo's outer rule (plain outer SGD at
 lr 1, the accumulator decayed by 0.95 in place of the momentum) and alpha 0.
 

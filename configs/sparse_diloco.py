@@ -2,9 +2,9 @@
 
 The sparse outer exchange (the config's diloco.density: exchange.Sparse.of(density, ...)): of every 4,096
 entries of a fragment's outer gradient, the 123 largest of an fp32 error-feedback accumulator, their values
-at 2 bits, their positions at 12 bits (0.43 bits per value), each entry of the mean divided by the replicas that sent it (the default,
-average_over="senders", as SparseLoCo's code aggregates), with SparseLoCo's outer rule (plain outer SGD at
-lr 1, the accumulator decayed by 0.95 in place of the momentum) and alpha 0.
+at 2 bits, their positions at 12 bits (0.43 bits per value), each entry of the mean divided by the replicas
+that sent it (the default, average_over="senders", as SparseLoCo's code aggregates), with SparseLoCo's outer
+rule (plain outer SGD at lr 1, the accumulator decayed by 0.95 in place of the momentum) and alpha 0.
 
 Chosen on seed 0 of benchmarks/sparse_parity.py (the 919k-parameter default model, bytes of Shakespeare,
 16 x 64 tokens per step, 3,000 steps, H = 30) from outer lr {1, 2, 3, 4, 6} x the mean over senders or over

@@ -218,12 +218,12 @@ def traced_phase_index(t, phases, *, sync_every, num_fragments=1, overlap=0):
     return index
 
 
-def per_replica(inner_state, axis_name):
-    """The inner state as stored: each leaf varying over the replica axis (None: an island, which has none),
-    a scalar as shape ``(1,)`` (a replica that skips a step keeps its own counts, and a scalar has no dim 0 to
-    split over replicas)."""
-    axes = () if axis_name is None else (axis_name,)
-    return jax.tree.map(lambda x: specs.to_varying(x.reshape((1,) if x.ndim == 0 else x.shape), axes), inner_state)
+def per_replica(inner_state, replica_axes):
+    """The inner state as stored: each leaf varying over the replica axis (``replica_axes``: it, or none for
+    an island), a scalar as shape ``(1,)`` (a replica that skips a step keeps its own counts, and a scalar has
+    no dim 0 to split over replicas)."""
+    return jax.tree.map(lambda x: specs.to_varying(x.reshape((1,) if x.ndim == 0 else x.shape), replica_axes),
+                        inner_state)
 
 
 def replica_finite(tree, axis_name):
@@ -246,13 +246,22 @@ class Exchange(NamedTuple):
     data_axis: str | None
     codec: Any  # exchange.Exact | exchange.Dense | exchange.Sparse
     mode: str  # a dense payload's collective: "two_stage" or "all_gather" (a sparse one's is an all_gather)
-    keep_unsent: bool = False  # the accumulator rides in the local parameters (sparse_mean, diloco(keep_unsent))
     islands: int | None = None  # M islands (as_islands): no replica axis; the payloads cross between programs
 
     @property
-    def replica_axis(self) -> str | None:
-        """The mesh axis the replicas meet on; None for islands."""
-        return None if self.islands else self.axis_name
+    def keep_unsent(self) -> bool:
+        """A sparse exchange whose accumulator rides in the local parameters (``Sparse.keep_unsent``)."""
+        return self.sparse and self.codec.keep_unsent
+
+    @property
+    def replica_axes(self) -> tuple:
+        """The mesh axis the replicas meet on, as a tuple; none for islands."""
+        return () if self.islands else (self.axis_name,)
+
+    def sender_index(self, layout):
+        """This data device's index where its payload depends on it (chunks that follow the leaves: binmean's
+        per-leaf statistics), else 0."""
+        return lax.axis_index(self.data_axis) if layout is not None and self.data_size() > 1 else 0
 
     def replicas(self) -> int:
         """``M``: the islands, or the devices of the replica axis."""
@@ -382,7 +391,7 @@ class Exchange(NamedTuple):
         with its own ``k`` (:class:`loco_jax.sparse.TiledSparse`).
         """
         m = coll.axis_size(self.axis_name)
-        own = lax.axis_index(self.data_axis) if layout is not None and self.data_size() > 1 else 0
+        own = self.sender_index(layout)
         payload, new, finish = self.encode(slice_f32, 0, m, error, error_scale, never, layout, own)
         gathered = coll.on_own_stream(lambda: lax.all_gather(payload, self.axis_name, axis=0, to="invarying"))
         return finish(gathered, own), new, (gathered, finish)
@@ -522,12 +531,10 @@ SPARSE_FORMATS = exchange_lib.SPARSE_FORMATS  # a sparse exchange's values' form
 
 
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the default outer step (outer=None): Nesterov SGD
-AVERAGE_OVER = exchange_lib.AVERAGE_OVER  # diloco(average_over=): a sparse mean's divisor, the default first
-CHUNKS = exchange_lib.CHUNKS  # diloco(chunks=): a sparse exchange's chunks
 
 
-def sparseloco_rule(exchange: exchange_lib.Sparse, lr: float = 1.0, beta: float = 0.95) -> dict:
-    """SparseLoCo's outer rule as ``diloco(...)`` arguments: the error-feedback accumulator of ``exchange``,
+def sparseloco_rule(sparse_exchange: exchange_lib.Sparse, lr: float = 1.0, beta: float = 0.95) -> dict:
+    """SparseLoCo's outer rule as ``diloco(...)`` arguments: the error-feedback accumulator of ``sparse_exchange``,
     decayed by ``beta``, takes the place of the outer momentum, and the outer step is plain SGD at ``lr``::
 
         diloco.diloco(inner, sync_every=30, **diloco.sparseloco_rule(exchange.Sparse.of(1 / 64)))
@@ -535,10 +542,10 @@ def sparseloco_rule(exchange: exchange_lib.Sparse, lr: float = 1.0, beta: float 
     The default rule (``outer=None``, ``Sparse.of(decay=1)``) is Nesterov SGD (lr 0.7, momentum 0.9) on the
     decoded mean, with plain error feedback, as MuLoCo keeps it.
     """
-    if not isinstance(exchange, exchange_lib.Sparse):
-        raise ValueError(f"sparseloco_rule({exchange!r}): the rule decays a sparse exchange's accumulator; pass "
-                         "exchange.Sparse.of(density, ...).")
-    return dict(outer=optax.sgd(lr), bits=exchange._replace(decay=float(beta)))
+    if not isinstance(sparse_exchange, exchange_lib.Sparse):
+        raise ValueError(f"sparseloco_rule({sparse_exchange!r}): the rule decays a sparse exchange's accumulator; "
+                         "pass exchange.Sparse.of(density, ...).")
+    return dict(outer=optax.sgd(lr), bits=sparse_exchange._replace(decay=float(beta)))
 
 
 def codec(
@@ -626,7 +633,7 @@ def _validate(sync_every, num_fragments, overlap, alpha):
 
 
 def _validate_keep_unsent(codec_value, alpha, overlap):
-    if not getattr(codec_value, "keep_unsent", False):
+    if not (isinstance(codec_value, exchange_lib.Sparse) and codec_value.keep_unsent):
         return
     if alpha != 0:
         raise ValueError(f"keep_unsent=True with alpha={alpha}: the replica already keeps all of its own progress; "
@@ -733,13 +740,13 @@ class OuterLoop(NamedTuple):
     def init(self, params):
         """The state: inner state per replica, global parameters (the replicas' mean), one outer state per
         fragment, step counts, the in-flight slot and the error buffers (module docstring)."""
-        islands, axis = self.ex.islands, self.ex.replica_axis
+        islands, axes = self.ex.islands, self.ex.replica_axes
         if not islands:
-            specs.require_axis(axis, "diloco")
+            specs.require_axis(self.ex.axis_name, "diloco")
         plan = self.plan_of(params)
         d, m = self.ex.data_size(), self.ex.replicas()
         # islands start from the same parameters (the same seed on each): theirs are the global ones
-        global_params = params if islands else jax.tree.map(lambda x: lax.pmean(x, axis), params)
+        global_params = params if islands else jax.tree.map(lambda x: lax.pmean(x, self.ex.axis_name), params)
         outer_states = tuple(self.outer.init(plan.select(global_params, p)) for p in range(self.num_fragments))
         layouts = self.layouts(plan, params, d)
         k = [self.ex.slice_len(s, d, m, lay) for s, lay in zip(plan.fragment_sizes(), layouts)]
@@ -758,12 +765,12 @@ class OuterLoop(NamedTuple):
             stored = [jax.tree.map(lambda x: specs.to_varying(x, device_axes), feedback.zeros((1, kp))) for kp in k]
             error, error_scale = tuple(s[0] for s in stored), tuple(s[1] for s in stored)
         zero = jnp.zeros((), jnp.int32)
-        skipped = specs.to_varying(jnp.zeros((1,), jnp.int32), () if islands else (axis,))  # one count per replica
+        skipped = specs.to_varying(jnp.zeros((1,), jnp.int32), axes)  # one count per replica
         outbox = None
         if islands:  # room for the largest fragment's payload
             most = max(math.prod(self.ex.payload_shape(p, kp, lay)) for p, (kp, lay) in enumerate(zip(k, layouts)))
             outbox = specs.to_varying(jnp.zeros((most,), jnp.uint8), slot_axes)
-        return DiLoCoState(per_replica(self.inner.init(params), axis), global_params, outer_states, zero,
+        return DiLoCoState(per_replica(self.inner.init(params), axes), global_params, outer_states, zero,
                            skipped, inflight, error, error_scale, zero, outbox)
 
     def layouts(self, plan, params, d):
@@ -780,12 +787,11 @@ class OuterLoop(NamedTuple):
         own = jax.eval_shape(self.inner.init, params)  # the inner state's own shapes (scalars are stored as (1,))
         inner_in = jax.tree.map(lambda x, a: x.reshape(a.shape), state.inner, own)
         # replicas train alone: the inner optimizer's decisions are agreed within this replica only
-        axis = self.ex.replica_axis
-        extra = dict(extra, **{INDEPENDENT: tuple(extra.get(INDEPENDENT, ())) + ((axis,) if axis else ())})
+        extra = dict(extra, **{INDEPENDENT: tuple(extra.get(INDEPENDENT, ())) + self.ex.replica_axes})
         updates, new_inner = self.inner.update(grads, inner_in, params, **extra)
         ok = replica_finite((grads, updates), self.ex.axis_name)
         updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
-        kept = select(ok, per_replica(new_inner, axis), state.inner)
+        kept = select(ok, per_replica(new_inner, self.ex.replica_axes), state.inner)
         return optax.apply_updates(params, updates), kept, ok
 
     def step(self, ph: Phase, grads, state, params, extra):
@@ -806,13 +812,10 @@ class OuterLoop(NamedTuple):
             k = self.ex.slice_len(sizes[p], d, m, layouts[p])
             snapshot = local if self.overlap == 0 else params  # params of step t+1 are theta(t)
             snapshot_p = plan.extract(snapshot, p)
-            # XLA:CPU: the exchange follows the inner step's collectives (on GPUs it overlaps them)
-            delta = coll.after(plan.extract(global_params, p) - snapshot_p, local)
-            if layouts[p] is not None:  # chunks that follow the leaves: the slices are in tiled order
-                delta = layouts[p].tiled(delta)
             stored_error = (error[p], error_scale[p]) if error else (None, None)
-            mean_slice, stored, codes = self.ex.mean(self.ex.my_slice(delta, k, d), p, *stored_error,
-                                                     never=state.step < 0, layout=layouts[p])
+            mean_slice, stored, codes = self.ex.mean(self.send_slice(plan, p, global_params, snapshot_p, local,
+                                                                     layouts[p], k, d),
+                                                     p, *stored_error, never=state.step < 0, layout=layouts[p])
             if self.ex.keep_unsent and ph.apply == p:  # overlap <= 1: this program applies it (diloco's check)
                 unsent = (stored, snapshot_p)
             # the same on every replica: they all decoded the same payloads
@@ -843,6 +846,15 @@ class OuterLoop(NamedTuple):
             state.skipped + (~inner_ok).astype(jnp.int32), inflight, tuple(error), tuple(error_scale), dropped,
         )
 
+    def send_slice(self, plan, p, global_params, snapshot_p, local, layout, k, d):
+        """This device's ``k``-value slice of fragment ``p``'s outer gradient ``theta_g,p - snapshot_p`` (in the
+        tiled order of chunks that follow the leaves). XLA:CPU: the exchange follows the inner step's
+        collectives (on GPUs it overlaps them)."""
+        delta = coll.after(plan.extract(global_params, p) - snapshot_p, local)
+        if layout is not None:
+            delta = layout.tiled(delta)
+        return self.ex.my_slice(delta, k, d)
+
     def island_step(self, ph: Phase, grads, state, params, extra):
         """One step of an island (:func:`as_islands`): the inner step; fragment ``ph.send``'s payload encoded
         from ``theta(t)`` into ``outbox`` (its error fed back now); fragment ``ph.apply``'s mean decoded from
@@ -855,15 +867,12 @@ class OuterLoop(NamedTuple):
         global_params, outer_states, outbox = state.global_params, list(state.outer), state.outbox
         error, error_scale, dropped = list(state.error), list(state.error_scale), state.dropped
         k = lambda p: self.ex.slice_len(sizes[p], d, m, layouts[p])
-        own = lambda p: lax.axis_index(self.ex.data_axis) if layouts[p] is not None and d > 1 else 0
         if ph.send is not None:
             p = ph.send
-            delta = coll.after(plan.extract(global_params, p) - plan.extract(local, p), local)
-            if layouts[p] is not None:  # chunks that follow the leaves: the slices are in tiled order
-                delta = layouts[p].tiled(delta)
             stored_error = (error[p], error_scale[p]) if error else (None, None)
-            payload, stored, _ = self.ex.encode(self.ex.my_slice(delta, k(p), d), p, m, *stored_error,
-                                                never=state.step < 0, layout=layouts[p], own=own(p))
+            payload, stored, _ = self.ex.encode(
+                self.send_slice(plan, p, global_params, plan.extract(local, p), local, layouts[p], k(p), d), p, m,
+                *stored_error, never=state.step < 0, layout=layouts[p], own=self.ex.sender_index(layouts[p]))
             if stored is not None:
                 error[p], error_scale[p] = stored
             outbox = jnp.pad(payload.reshape(-1), (0, outbox.shape[0] - payload.size))
@@ -875,7 +884,8 @@ class OuterLoop(NamedTuple):
             shape = self.ex.payload_shape(p, k(p), layouts[p])
             rows = inbox[:, :math.prod(shape)]
             gathered = self.ex.combine([rows[j].reshape(shape) for j in range(m)])
-            mean_slice = self.ex.codec.rotate_out(self.ex.decoder(m, k(p), layouts[p])(gathered, own(p))[None], p)[0]
+            finish = self.ex.decoder(m, k(p), layouts[p])
+            mean_slice = self.ex.codec.rotate_out(finish(gathered, self.ex.sender_index(layouts[p]))[None], p)[0]
             delivered = replica_finite(mean_slice, self.ex.axis_name)
             dropped = dropped + (~delivered).astype(jnp.int32)
             mean_delta = self.ex.gather_slices(coll.after(mean_slice, delivered), sizes[p], d, layouts[p])
@@ -979,7 +989,7 @@ def diloco(
     _validate_keep_unsent(codec_value, alpha, overlap)
     if outer is None:
         outer = optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-    ex = Exchange(axis_name, data_axis, codec_value, mode, getattr(codec_value, "keep_unsent", False))
+    ex = Exchange(axis_name, data_axis, codec_value, mode)
     schedule = dict(sync_every=sync_every, num_fragments=num_fragments, overlap=overlap)
     by_name = isinstance(fragment_by, str)
     strategy, labels = (fragment_by, None) if by_name else ("strided", fragment_by)

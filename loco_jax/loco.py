@@ -335,7 +335,7 @@ def compress(
 
 def exchanger(**kwargs) -> Exchanger:
     """The :class:`Exchanger` of ``compress(**kwargs)`` (the same arguments): its optax transformation and
-    the per-bit step that the in-backward exchange (:mod:`loco_jax.backward`) runs."""
+    the per-bucket step that the in-backward exchange (:mod:`loco_jax.backward`) runs."""
     arguments = inspect.signature(compress).bind(**kwargs)  # refuses an unknown argument by name
     arguments.apply_defaults()  # compress's defaults: the one place they are written
     return _build(**arguments.arguments)

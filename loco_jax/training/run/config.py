@@ -9,6 +9,7 @@ valid keys. ``None`` is accepted where the field allows it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import json
@@ -113,26 +114,21 @@ class OptimFields:
     grad_clip: float | None = 1.0
 
 
-def library_default(fn, name):
-    """The default of argument ``name`` of the library's ``fn``: a field that sets a library argument
-    defaults to the library's own value, so the two cannot drift apart."""
-    return inspect.signature(fn).parameters[name].default
+def library_default(owners, name):
+    """The default of argument ``name`` of the first of the library's functions ``owners`` that takes it: a
+    field that sets a library argument defaults to the library's own value, so the two cannot drift apart."""
+    for fn in owners:
+        parameters = inspect.signature(fn).parameters
+        if name in parameters:
+            return parameters[name].default
+    raise KeyError(f"no library function of {[fn.__qualname__ for fn in owners]} takes {name!r}")
 
 
-def _loco(name):
-    """The library's default of a ``loco`` field: ``loco.codec``'s (what is sent) or ``loco.compress``'s."""
-    codec_args = inspect.signature(loco_lib.codec).parameters
-    return library_default(loco_lib.codec if name in codec_args else loco_lib.compress, name)
-
-
-
-def _diloco(name, where=None):
-    """The library's default of a ``diloco`` field: ``diloco.diloco``'s (the schedule, the merge, the
-    collective), ``diloco.codec``'s (a dense exchange) or ``exchange.Sparse.of``'s (a sparse one, ``where``)."""
-    for fn in (diloco_lib.diloco, diloco_lib.codec, exchange_lib.Sparse.of):
-        if (where or name) in inspect.signature(fn).parameters:
-            return library_default(fn, where or name)
-    raise KeyError(name)
+# the owners of the loco section's fields: what is sent (loco.codec), then how (loco.compress); of the diloco
+# section's: the schedule, the merge and the collective (diloco.diloco), a dense exchange (diloco.codec), a
+# sparse one (exchange.Sparse.of)
+_loco = functools.partial(library_default, (loco_lib.codec, loco_lib.compress))
+_diloco = functools.partial(library_default, (diloco_lib.diloco, diloco_lib.codec, exchange_lib.Sparse.of))
 
 
 @dataclasses.dataclass

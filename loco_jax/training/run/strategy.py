@@ -98,11 +98,11 @@ class StreamingDiLoCo(DataParallel):
                                                    alpha=self.cfg.optim.min_lr_ratio)
         outer = optax.sgd(outer_lr, momentum=d.outer_momentum or None, nesterov=d.outer_momentum > 0)
         return diloco.diloco(
-            inner, sync_every=d.sync_every, bits=self.exchange(), outer=outer, alpha=d.alpha,
+            inner, sync_every=d.sync_every, bits=self.outer_exchange(), outer=outer, alpha=d.alpha,
             num_fragments=d.num_fragments, overlap=d.overlap, data_axis=None if sharded else "data", mode=d.mode,
         )
 
-    def exchange(self):
+    def outer_exchange(self):
         """The outer exchange of ``cfg.diloco`` as one value: ``exchange.Sparse.of(density, ...)`` where
         ``density`` is set, else ``diloco.codec(bits, ...)`` (``config.validate`` refused the settings of the
         other kind)."""
